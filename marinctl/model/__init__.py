@@ -1,0 +1,1 @@
+"""The hero model (SPEC 2) as equinox modules."""

@@ -1,0 +1,1 @@
+"""Hyperball optimizer: MuonH / AdamH / Adam groups (SPEC 5)."""

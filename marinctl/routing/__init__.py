@@ -1,0 +1,1 @@
+"""Routing and expert parallelism: quantile balancing, meshes, transports (SPEC 3-4)."""

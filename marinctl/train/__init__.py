@@ -1,0 +1,1 @@
+"""Training: the step, checkpoints, metrics, monitors, distributed runtime."""

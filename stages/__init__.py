@@ -1,0 +1,1 @@
+"""Stages: one module per subcommand, registered under the `marinctl.stages` entry-point group."""
