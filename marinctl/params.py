@@ -169,3 +169,28 @@ def shard_size(spec: ParamSpec, mesh: dict[str, int]) -> int:
         axes = (part,) if isinstance(part, str) else (part or ())
         size *= n // math.prod(mesh[a] for a in axes)
     return size
+
+
+def path_str(path: tuple) -> str:
+    """A jax key path as the dotted string the table uses ('blocks.attention.w_q')."""
+    parts = []
+    for key in path:
+        for attr in ("name", "key", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+    return ".".join(parts)
+
+
+def tree_paths(tree):
+    """Same structure as `tree`, each array leaf replaced by its dotted path (for optax labels etc.)."""
+    import jax
+
+    return jax.tree_util.tree_map_with_path(lambda p, _: path_str(p), tree)
+
+
+def spec_for(path: str, table: dict[str, ParamSpec]) -> ParamSpec:
+    try:
+        return table[path]
+    except KeyError:
+        raise KeyError(f"parameter {path!r} is not in the parameter table (marinctl/params.py)") from None
