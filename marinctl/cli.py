@@ -10,11 +10,10 @@ import sys
 from importlib.metadata import entry_points
 from typing import Annotated
 
-import click
 import typer
 
 from marinctl import __version__
-from marinctl.errors import EXIT_USER_ERROR, UserError
+from marinctl.errors import UserError
 from marinctl.stage import Stage
 
 log = logging.getLogger("marinctl")
@@ -70,26 +69,23 @@ def discover_stages() -> list[Stage]:
 
 
 def run(argv: list[str] | None = None) -> int:
-    """Run the CLI and return its exit code (tests call this; `main` exits with it)."""
-    app = build_app()
-    command = typer.main.get_command(app)
+    """Run the CLI and return its exit code (tests call this; `main` exits with it).
+
+    Usage errors are click's (exit 2, its usage message); `UserError` from a stage prints its one line
+    and exits 2; anything else is a crash with a traceback (exit 1).
+    """
+    command = typer.main.get_command(build_app())
     try:
-        rv = command.main(args=argv, prog_name="marinctl", standalone_mode=False)
+        command.main(args=argv, prog_name="marinctl", standalone_mode=True)
+    except SystemExit as done:
+        return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     except UserError as err:
         print(str(err), file=sys.stderr)
         return err.exit_code
-    except click.exceptions.Exit as err:
-        return err.exit_code
-    except click.ClickException as err:  # usage errors: bad flags, missing arguments
-        err.show()
-        return EXIT_USER_ERROR
-    except click.exceptions.Abort:
-        print("marinctl: aborted", file=sys.stderr)
-        return 130
     except KeyboardInterrupt:
         print("marinctl: interrupted", file=sys.stderr)
         return 130
-    return rv if isinstance(rv, int) else 0
+    return 0
 
 
 def main() -> None:

@@ -187,15 +187,19 @@ def memory_estimate(recipe: Recipe, mesh: dict[str, int]) -> MemoryEstimate:
     # One block live during backward: q/k/v/o, attention probabilities for one head at a time, the
     # routed rows (K per token) at latent and expert width, the shared experts and the logits.
     S = recipe.train.seq_len
-    block = tokens * act_bytes * (
-        8 * D + moe.top_k * (2 * width + 3 * moe.expert_width) + 3 * moe.shared_experts * moe.shared_width
-    ) + (tokens // S) * S * S * act_bytes
+    block = (
+        tokens
+        * act_bytes
+        * (8 * D + moe.top_k * (2 * width + 3 * moe.expert_width) + 3 * moe.shared_experts * moe.shared_width)
+        + (tokens // S) * S * S * act_bytes
+    )
     logits = tokens * m.vocab_size * BYTES_F32 * 2
     cap = capacity(recipe, tokens, mesh.get("expert", 1))
     if moe.transport == "fixed":
         rows = moe.num_experts * cap.fixed_cell
     elif moe.transport == "pooled":
-        rows = cap.expert_shards * cap.pooled_sender * cap.waves + cap.experts_per_shard * cap.pooled_receiver * cap.waves
+        sender = cap.expert_shards * cap.pooled_sender * cap.waves
+        rows = sender + cap.experts_per_shard * cap.pooled_receiver * cap.waves
     else:
         rows = cap.assignments
     moe_buffers = 2 * rows * width * act_bytes

@@ -63,8 +63,9 @@ def param_table(recipe: Recipe) -> dict[str, ParamSpec]:
 
     def sconv(site: str, channels: int, axis: str) -> None:
         if site in m.sconv_sites:
-            t[f"blocks.sconv_{site}.weight"] = ParamSpec((L, k, channels), ("layers", "conv", axis), "adam",
-                                                         "identity_conv")
+            t[f"blocks.sconv_{site}.weight"] = ParamSpec(
+                (L, k, channels), ("layers", "conv", axis), "adam", "identity_conv"
+            )
 
     t["embed.weight"] = ParamSpec((V, D), ("vocab", "embed"), "adam", "normal")
     if m.embed_norm:
@@ -153,7 +154,8 @@ def partition_spec(spec: ParamSpec, mesh: dict[str, int]) -> tuple[str | tuple[s
     if fsdp:
         ways = math.prod(mesh[ax] for ax in fsdp)
         candidates = [
-            i for i, (n, ax) in enumerate(zip(spec.shape, spec.axes))
+            i
+            for i, (n, ax) in enumerate(zip(spec.shape, spec.axes, strict=True))
             if parts[i] is None and ax not in ("layers", "shared", "conv") and n % ways == 0
         ]
         if candidates:
@@ -165,7 +167,7 @@ def partition_spec(spec: ParamSpec, mesh: dict[str, int]) -> tuple[str | tuple[s
 def shard_size(spec: ParamSpec, mesh: dict[str, int]) -> int:
     """Elements of this leaf held by one device under `partition_spec`."""
     size = 1
-    for n, part in zip(spec.shape, partition_spec(spec, mesh)):
+    for n, part in zip(spec.shape, partition_spec(spec, mesh), strict=True):
         axes = (part,) if isinstance(part, str) else (part or ())
         size *= n // math.prod(mesh[a] for a in axes)
     return size

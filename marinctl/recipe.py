@@ -416,9 +416,7 @@ def _convert(value: Any, hint: Any, dotted: str, provenance: dict[str, str], src
         if not isinstance(value, list):
             raise wrong()
         item_hint = typing.get_args(hint)[0]
-        return tuple(
-            _convert(v, item_hint, f"{dotted}[{i}]", provenance, src) for i, v in enumerate(value)
-        )
+        return tuple(_convert(v, item_hint, f"{dotted}[{i}]", provenance, src) for i, v in enumerate(value))
     if origin is dict:
         if not isinstance(value, dict):
             raise wrong()
@@ -480,9 +478,7 @@ def validate(recipe: Recipe, provenance: dict[str, str] | None = None) -> None:
     if m.num_heads % a.local_kv_heads:
         fail("attention.local_kv_heads", f"must divide model.num_heads={m.num_heads} (got {a.local_kv_heads})")
     if m.num_heads % a.global_kv_heads:
-        fail(
-            "attention.global_kv_heads", f"must divide model.num_heads={m.num_heads} (got {a.global_kv_heads})"
-        )
+        fail("attention.global_kv_heads", f"must divide model.num_heads={m.num_heads} (got {a.global_kv_heads})")
     rope_dims = m.head_dim * a.rope_fraction
     if rope_dims != int(rope_dims) or int(rope_dims) % 2:
         fail("attention.rope_fraction", f"must rotate an even number of head dims (got {rope_dims:g})")

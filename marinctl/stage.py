@@ -48,7 +48,9 @@ def console() -> Console:
 
 
 def setup_logging(quiet: bool, verbose: int) -> None:
-    level = logging.ERROR if quiet else (logging.DEBUG if verbose >= 2 else logging.INFO if verbose else logging.WARNING)
+    level = logging.WARNING - 10 * min(verbose, 2)
+    if quiet:
+        level = logging.ERROR
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
     for noisy in ("absl", "jax._src", "orbax", "etils"):
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
