@@ -1,0 +1,93 @@
+"""The small pieces SPEC 2 composes: RMSNorm, GatedNorm, the short causal conv (SConv) and SwiGLU.
+
+Precision contract (shared by every module in `marinctl.model`): parameters are fp32 master weights and
+are cast to the compute dtype at the matmul that uses them; norms run in fp32 and hand back fp32.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+F32 = jnp.float32
+
+
+def compute_dtype(name: str) -> jnp.dtype:
+    """`model.compute_dtype`: "auto" is bf16 on GPU/TPU (tensor cores) and f32 on CPU (no fast bf16)."""
+    if name == "auto":
+        return jnp.dtype(jnp.bfloat16) if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else jnp.dtype(F32)
+    return jnp.dtype(name)
+
+
+def rms_norm(x: Float[Array, "... d"], eps: float) -> Float[Array, "... d"]:
+    """Non-parametric RMSNorm `x / sqrt(mean(x²) + eps)`, always in fp32 (SPEC 2)."""
+    x = x.astype(F32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(eqx.Module):
+    """RMSNorm with a learnable gain (init 1); the output stays fp32."""
+
+    gain: Float[Array, " d"]
+    eps: float = eqx.field(static=True)
+
+    def __call__(self, x: Float[Array, "... d"]) -> Float[Array, "... d"]:
+        return rms_norm(x, self.eps) * self.gain
+
+
+class GatedNorm(eqx.Module):
+    """`y = x̂ ⊙ sigmoid(W_up · silu(W_down · x̂))`, rank r, no biases (SPEC 2).
+
+    Applied to an RMSNorm output x̂. The two rank-r matmuls run in the compute dtype; the gate and the
+    product stay fp32 so the norm's output scale is exact. At init the gate is ≈ 0.5 (small matrices).
+    """
+
+    w_down: Float[Array, "d r"]
+    w_up: Float[Array, "r d"]
+
+    def __call__(self, x_hat: Float[Array, "... d"], dtype: jnp.dtype) -> Float[Array, "... d"]:
+        h = jax.nn.silu(x_hat.astype(dtype) @ self.w_down.astype(dtype))
+        gate = jax.nn.sigmoid((h @ self.w_up.astype(dtype)).astype(F32))
+        return x_hat.astype(F32) * gate
+
+
+def normalize(norm: RMSNorm, gated_norm: GatedNorm | None, x: Array, dtype: jnp.dtype) -> Array:
+    """RMSNorm then (if enabled) GatedNorm — the pre-norm every sub-layer reads — cast to the compute dtype."""
+    y = norm(x)
+    if gated_norm is not None:
+        y = gated_norm(y, dtype)
+    return y.astype(dtype)
+
+
+class ShortConv(eqx.Module):
+    """SConv: depthwise causal conv over the sequence, `weight[lag, c]`, lag 0 = the current token (SPEC 2).
+
+    `out[t,c] = Σ_lag w[lag,c] · x[t−lag,c] · 1[seg(t−lag) = seg(t)]`; positions before the sequence start
+    read as 0. No bias, no activation, no internal residual; identity init makes it a no-op at step 0.
+    The taps are a Python loop over the (static, small) kernel: k shifted multiply-adds beat a conv op
+    on CPU and fuse into one kernel on GPU.
+    """
+
+    weight: Float[Array, "k c"]
+
+    def __call__(self, x: Float[Array, "b s c"], segment_ids: Int[Array, "b s"]) -> Float[Array, "b s c"]:
+        w = self.weight.astype(x.dtype)
+        out = x * w[0]
+        for lag in range(1, min(w.shape[0], x.shape[1] + 1)):
+            shifted = jnp.pad(x, ((0, 0), (lag, 0), (0, 0)))[:, : x.shape[1]]
+            # A sentinel segment id for the zero padding so the start of the sequence never matches.
+            seg_shifted = jnp.pad(segment_ids, ((0, 0), (lag, 0)), constant_values=-1)[:, : x.shape[1]]
+            same_doc = (seg_shifted == segment_ids)[..., None]
+            out = out + jnp.where(same_doc, shifted, 0) * w[lag]
+        return out
+
+
+def swiglu(
+    x: Float[Array, "... d"], w_gate: Float[Array, "d i"], w_up: Float[Array, "d i"], w_down: Float[Array, "i o"]
+) -> Float[Array, "... o"]:
+    """`(silu(x W_g) ⊙ x W_u) W_d`, weights cast to x's dtype (the compute dtype)."""
+    dtype = x.dtype
+    h = jax.nn.silu(x @ w_gate.astype(dtype)) * (x @ w_up.astype(dtype))
+    return h @ w_down.astype(dtype)
