@@ -1,4 +1,4 @@
-"""The small pieces SPEC 2 composes: RMSNorm, GatedNorm, the short causal conv (SConv) and SwiGLU.
+"""The small pieces SPEC 2 composes: RMSNorm, GatedNorm and the short causal conv (SConv).
 
 Precision contract (shared by every module in `marinctl.model`): parameters are fp32 master weights and
 are cast to the compute dtype at the matmul that uses them; norms run in fp32 and hand back fp32.
@@ -75,7 +75,7 @@ class ShortConv(eqx.Module):
     def __call__(self, x: Float[Array, "b s c"], segment_ids: Int[Array, "b s"]) -> Float[Array, "b s c"]:
         w = self.weight.astype(x.dtype)
         out = x * w[0]
-        for lag in range(1, min(w.shape[0], x.shape[1] + 1)):
+        for lag in range(1, w.shape[0]):
             shifted = jnp.pad(x, ((0, 0), (lag, 0), (0, 0)))[:, : x.shape[1]]
             # A sentinel segment id for the zero padding so the start of the sequence never matches.
             seg_shifted = jnp.pad(segment_ids, ((0, 0), (lag, 0)), constant_values=-1)[:, : x.shape[1]]
@@ -83,11 +83,3 @@ class ShortConv(eqx.Module):
             out = out + jnp.where(same_doc, shifted, 0) * w[lag]
         return out
 
-
-def swiglu(
-    x: Float[Array, "... d"], w_gate: Float[Array, "d i"], w_up: Float[Array, "d i"], w_down: Float[Array, "i o"]
-) -> Float[Array, "... o"]:
-    """`(silu(x W_g) ⊙ x W_u) W_d`, weights cast to x's dtype (the compute dtype)."""
-    dtype = x.dtype
-    h = jax.nn.silu(x @ w_gate.astype(dtype)) * (x @ w_up.astype(dtype))
-    return h @ w_down.astype(dtype)

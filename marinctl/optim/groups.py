@@ -11,7 +11,9 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 
+from marinctl.optim.hyperball import frobenius_norm
 from marinctl.params import MATRIX_BATCH_AXES, NORM_KEEP_AXES, Group, ParamSpec, param_table, tree_paths
 from marinctl.recipe import Recipe
 
@@ -75,6 +77,22 @@ def norm_axes(spec: ParamSpec) -> tuple[int, ...]:
     Expert stacks `[L, E, in, out]` therefore keep one norm per layer jointly over their experts (SPEC 5).
     """
     return tuple(range(_leading(spec, NORM_KEEP_AXES), len(spec.shape)))
+
+
+def hyperball_norms(params, recipe: Recipe) -> dict[str, jax.Array]:
+    """{path: fp32 norm per scope} of every AdamH/MuonH leaf (per layer, per shared expert), for logging.
+
+    Same scopes and arithmetic as the optimizer's frozen norms (`hyperball.initial_norms`), so a
+    monitor can compare the two directly.
+    """
+    table = param_table(recipe)
+    out = {}
+    for path, leaf in zip(jax.tree.leaves(tree_paths(params)), jax.tree.leaves(params), strict=True):
+        spec = table[path]
+        if spec.group in ("muonh", "adamh"):
+            axes = norm_axes(spec)
+            out[path] = jnp.squeeze(frobenius_norm(leaf, axes), axis=axes)
+    return out
 
 
 def matrix_batch_ndim(spec: ParamSpec) -> int:

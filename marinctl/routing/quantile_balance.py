@@ -15,6 +15,8 @@ The metrics helpers at the bottom turn the per-expert load into the numbers the 
 (SPEC 3, 10): routing entropy (ln E is perfectly uniform), max/mean load, and drop fraction.
 """
 
+# ruff: noqa: F722 (jaxtyping shape strings are not Python expressions)
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -132,7 +134,7 @@ def _histogram_beta(
     reduce_sum: Callable,
 ) -> Float[Array, " E"]:
     margins = jax.lax.stop_gradient(margins).astype(jnp.float32)
-    n_tokens, n_experts = margins.shape
+    n_experts = margins.shape[1]
     v = valid[:, None]
     # SPEC 3.2: the live range of this batch; no fixed bound on the logits is assumed.
     lo = reduce_min(jnp.min(jnp.where(v, margins, jnp.inf)))

@@ -1,0 +1,190 @@
+"""Attention (SPEC 2): GQA with per-layer KV heads, QK RMSNorm × qk_mult, partial RoPE on local layers,
+NoPE on global layers, causal sliding window, packed-document masking, XSA and the head-wise gate.
+
+One module serves every layer: whether a layer is local or global arrives as `LayerFacts` arrays
+(scanned over layers), so all layers share one compiled block (the "template-first" rule).
+"""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from marinctl.errors import UserError
+from marinctl.model.layers import F32, ShortConv, rms_norm
+from marinctl.recipe import AttentionConfig
+
+# Keys beyond a global layer's reach: larger than any sequence, small enough for int32 arithmetic.
+UNBOUNDED_WINDOW = 2**30
+XSA_EPS = 1e-6  # SPEC 2.6
+LOG_LENGTH_BASE = 65536  # SPEC 8: global layers' query scale starts beyond 65k tokens
+
+
+class LayerFacts(eqx.Module):
+    """What differs between layers, as traced values (leading [L] axis when stacked for the scan)."""
+
+    is_global: Bool[Array, ""]
+    window: Int[Array, ""]  # key j is visible from query i iff 0 ≤ i − j < window
+    rope: Bool[Array, ""]  # RoPE on (local layers) or off (NoPE global layers)
+    kv_of_head: Int[Array, " heads"]  # stored KV head each query head reads (GQA; global: first kv only)
+
+
+def kv_head_map(num_heads: int, kv_heads: int) -> list[int]:
+    """GQA grouping: query head h reads KV head h // (H / kv) — so a layer using fewer KV heads uses the
+    first `kv_heads` of the stored ones (SPEC 2.2)."""
+    group = num_heads // kv_heads
+    return [h // group for h in range(num_heads)]
+
+
+def rope(
+    x: Float[Array, "b s h d"], positions: Int[Array, "b s"], rotary_dims: int, theta: float, on: Bool[Array, ""]
+) -> Float[Array, "b s h d"]:
+    """Partial RoPE, split-halves convention, on the first `rotary_dims` dims of each head.
+
+    Pairs are (i, i + R/2) for i < R/2 with R = rotary_dims (GPT-NeoX / Llama-HF layout, not adjacent
+    pairs); frequency θ^(−2i/R). Dims ≥ R pass through untouched. Export to other formats must keep
+    this pairing. `on` = False is an exact identity (cos 1, sin 0), which is how NoPE layers share the
+    compiled block.
+    """
+    if rotary_dims == 0:
+        return x
+    half = rotary_dims // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=F32) * 2.0 / rotary_dims)
+    angle = positions.astype(F32)[..., None] * inv_freq  # [b, s, half]
+    cos = jnp.where(on, jnp.cos(angle), 1.0)[:, :, None, :]
+    sin = jnp.where(on, jnp.sin(angle), 0.0)[:, :, None, :]
+    x1, x2, rest = x[..., :half].astype(F32), x[..., half:rotary_dims].astype(F32), x[..., rotary_dims:]
+    r1 = (x1 * cos - x2 * sin).astype(x.dtype)
+    r2 = (x2 * cos + x1 * sin).astype(x.dtype)
+    return jnp.concatenate([r1, r2, rest], axis=-1)
+
+
+def log_length_scale(positions: Int[Array, "b s"]) -> Float[Array, "b s"]:
+    """SPEC 8: `(1 + 0.1·ln(n / 65,536))²` for a query that sees n = position + 1 tokens, floored at 1
+    (exactly 1 up to 65,536 tokens, 1.143 at 131k, 1.296 at 262k). Global layers only."""
+    n = jnp.maximum(positions.astype(F32) + 1.0, LOG_LENGTH_BASE)
+    return (1.0 + 0.1 * jnp.log(n / LOG_LENGTH_BASE)) ** 2
+
+
+def attention_mask(segment_ids: Int[Array, "b s"], window: Int[Array, ""]) -> Bool[Array, "b s s"]:
+    """Causal ∧ sliding window ∧ same document. Padding (segment 0) attends only to padding, so no row
+    is ever empty (the diagonal is always allowed) and real tokens never see padding."""
+    i = jnp.arange(segment_ids.shape[1])[:, None]
+    j = jnp.arange(segment_ids.shape[1])[None, :]
+    local = (j <= i) & (i - j < window)
+    return local[None] & (segment_ids[:, :, None] == segment_ids[:, None, :])
+
+
+def masked_softmax_attention(
+    q: Float[Array, "b s h d"], k: Float[Array, "b s h d"], v: Float[Array, "b s h d"], mask: Bool[Array, "b s s"]
+) -> Float[Array, "b s h d"]:
+    """The plain XLA path (works everywhere): scores and softmax in fp32, scale 1/√Dh. Heads are moved
+    in front of the sequence first: XLA:CPU runs the two batched matmuls ~2× faster in that layout."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    q, k, v = (jnp.swapaxes(t, 1, 2) for t in (q, k, v))  # [b, h, s, d]
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=F32) * scale
+    scores = jnp.where(mask[:, None], scores, jnp.finfo(F32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.swapaxes(jnp.einsum("bhqk,bhkd->bhqd", probs, v), 1, 2)
+
+
+def fused_attention(
+    q: Float[Array, "b s h d"],
+    k: Float[Array, "b s h d"],
+    v: Float[Array, "b s h d"],
+    mask: Bool[Array, "b s s"],
+    implementation: str,
+) -> Float[Array, "b s h d"]:
+    """`jax.nn.dot_product_attention` (cuDNN flash attention on GPU). `is_causal` lets cuDNN skip the upper
+    triangle; the window and documents, traced per layer, ride in the boolean mask."""
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], is_causal=True, implementation=implementation)
+
+
+def select_impl(impl: str, dtype: jnp.dtype) -> str:
+    """`attention.impl`: "auto" takes cuDNN only on a GPU with a 16-bit compute dtype (cuDNN flash attention
+    has no f32 kernel); the plain XLA path everywhere else. Never cuDNN on CPU."""
+    on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+    half = jnp.dtype(dtype).itemsize == 2
+    if impl == "cudnn":
+        if not on_gpu:
+            raise UserError(f"attention.impl = 'cudnn' needs a GPU (backend is {jax.default_backend()}); use 'auto'")
+        if not half:
+            raise UserError("attention.impl = 'cudnn' needs model.compute_dtype = 'bfloat16' (cuDNN has no f32 path)")
+        return "cudnn"
+    if impl == "auto" and on_gpu and half:
+        return "cudnn"
+    return "xla"
+
+
+class Attention(eqx.Module):
+    """SPEC 2 attention on the normalized input `a`. Weights `[in, out]`; heads are contiguous Dh slices."""
+
+    w_q: Float[Array, "d hq"]
+    w_k: Float[Array, "d hkv"]
+    w_v: Float[Array, "d hkv"]
+    w_o: Float[Array, "hq d"]
+    w_gate: Float[Array, "d heads"] | None  # zero init: gate 2·sigmoid(0) = 1
+    qk_mult: Float[Array, " heads"] | None  # ablation: learnable per-head factor on top of config.qk_mult
+    config: AttentionConfig = eqx.field(static=True)
+    num_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+
+    def __call__(
+        self,
+        a: Float[Array, "b s d"],
+        segment_ids: Int[Array, "b s"],
+        positions: Int[Array, "b s"],
+        facts: LayerFacts,
+        sconv_keys: ShortConv | None = None,
+        sconv_values: ShortConv | None = None,
+        impl: str = "xla",
+    ) -> Float[Array, "b s d"]:
+        cfg, H, Dh = self.config, self.num_heads, self.head_dim
+        B, S, _ = a.shape
+        dtype = a.dtype
+        q = a @ self.w_q.astype(dtype)
+        k = a @ self.w_k.astype(dtype)
+        v = a @ self.w_v.astype(dtype)
+        if sconv_keys is not None:  # SPEC 2.1: on the key projection, before the QK norm
+            k = sconv_keys(k, segment_ids)
+        if sconv_values is not None:
+            v = sconv_values(v, segment_ids)
+        q = q.reshape(B, S, H, Dh)
+        k = k.reshape(B, S, -1, Dh)
+        v = v.reshape(B, S, -1, Dh)
+
+        if cfg.qk_norm:  # non-parametric, per head over Dh, fp32
+            q = rms_norm(q, cfg.qk_norm_eps)
+            k = rms_norm(k, cfg.qk_norm_eps).astype(dtype)
+        mult = jnp.full((H,), cfg.qk_mult, F32)
+        if self.qk_mult is not None:
+            mult = mult * self.qk_mult  # learnable ablation starts at the fixed value (param init 1)
+        q = q.astype(F32) * mult[:, None]
+        q = q * jnp.where(facts.is_global, log_length_scale(positions), 1.0)[:, :, None, None]
+        q = q.astype(dtype)
+
+        rotary_dims = int(Dh * cfg.rope_fraction)
+        q = rope(q, positions, rotary_dims, cfg.rope_theta, facts.rope)
+        k = rope(k, positions, rotary_dims, cfg.rope_theta, facts.rope)
+
+        # GQA: gather each query head's KV head (per-layer map; global layers read only the first ones).
+        k = jnp.take(k, facts.kv_of_head, axis=2)
+        v = jnp.take(v, facts.kv_of_head, axis=2)
+        mask = attention_mask(segment_ids, facts.window)
+        if impl == "xla":
+            y = masked_softmax_attention(q, k, v, mask)
+        else:
+            y = fused_attention(q, k, v, mask, impl)
+
+        if cfg.xsa:  # SPEC 2.6: drop the component along the token's own value vector
+            y32, v32 = y.astype(F32), v.astype(F32)
+            coef = jnp.sum(y32 * v32, -1, keepdims=True) / (jnp.sum(v32 * v32, -1, keepdims=True) + XSA_EPS)
+            y = (y32 - coef * v32).astype(dtype)
+        if self.w_gate is not None:  # SPEC 2.7: head-wise gate after XSA, before W_o
+            gate = 2.0 * jax.nn.sigmoid((a @ self.w_gate.astype(dtype)).astype(F32))
+            y = (y.astype(F32) * gate[..., None]).astype(dtype)
+        return y.reshape(B, S, H * Dh) @ self.w_o.astype(dtype)

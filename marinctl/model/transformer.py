@@ -1,0 +1,255 @@
+"""The hero model (SPEC 2): embedding → norms → L scanned blocks → norms → untied lm_head.
+
+    h = GatedNorm_e(RMSNorm_e(embed[tokens]))
+    for each layer:   x = x + SConv_attn(Attention(GatedNorm_a(RMSNorm_a(x))))
+                      x = x + SConv_mlp(LatentMoE(m) + Σ_s Shared_s(m)),  m = GatedNorm_m(RMSNorm_m(x))
+    logits = GatedNorm_f(RMSNorm_f(x)) @ lm_head
+
+The blocks are one `Block` whose array leaves carry a leading [L] axis and run under `jax.lax.scan`;
+local/global, RoPE on/off, window and KV heads arrive per layer as `LayerFacts` arrays, so there is one
+compiled block for all layers. The array leaves equal `marinctl.params.param_table` leaf for leaf.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Mapping
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from marinctl.model.attention import UNBOUNDED_WINDOW, Attention, LayerFacts, kv_head_map, select_impl
+from marinctl.model.layers import F32, GatedNorm, RMSNorm, ShortConv, compute_dtype, normalize
+from marinctl.model.moe import Experts, LatentMoE, SharedExperts
+from marinctl.params import ParamSpec, param_table, tree_paths
+from marinctl.recipe import Recipe
+
+REMAT_POLICIES = {
+    "full": None,  # save only the block inputs; recompute the whole block in the backward pass
+    "save_dots": jax.checkpoint_policies.dots_saveable,  # keep matmul outputs, recompute the cheap rest
+}
+
+
+class Embedding(eqx.Module):
+    weight: Float[Array, "v d"]
+
+
+class LMHead(eqx.Module):
+    weight: Float[Array, "d v"]  # untied from the embedding
+
+
+class Block(eqx.Module):
+    """One layer; the scan slices the [L] axis off every leaf. Field order follows SPEC 2 (and the table)."""
+
+    attn_norm: RMSNorm
+    attn_gated_norm: GatedNorm | None
+    attention: Attention
+    sconv_keys: ShortConv | None
+    sconv_values: ShortConv | None
+    sconv_attn_out: ShortConv | None
+    mlp_norm: RMSNorm
+    mlp_gated_norm: GatedNorm | None
+    moe: LatentMoE
+    sconv_mlp_out: ShortConv | None
+
+    def __call__(
+        self,
+        x: Float[Array, "b s d"],
+        segment_ids: Int[Array, "b s"],
+        positions: Int[Array, "b s"],
+        facts: LayerFacts,
+        router_bias: Float[Array, " e"],
+        impl: str = "xla",
+    ) -> tuple[Float[Array, "b s d"], dict[str, Array]]:
+        dtype = x.dtype
+        a = normalize(self.attn_norm, self.attn_gated_norm, x, dtype)
+        h = self.attention(a, segment_ids, positions, facts, self.sconv_keys, self.sconv_values, impl)
+        if self.sconv_attn_out is not None:
+            h = self.sconv_attn_out(h, segment_ids)
+        x = x + h
+
+        m = normalize(self.mlp_norm, self.mlp_gated_norm, x, dtype)
+        B, S, D = m.shape
+        valid = (segment_ids != 0).reshape(B * S)  # segment 0 = padding: not routed, not counted
+        y, stats = self.moe(m.reshape(B * S, D), router_bias, valid)
+        y = y.reshape(B, S, D)
+        if self.sconv_mlp_out is not None:
+            y = self.sconv_mlp_out(y, segment_ids)
+        return x + y, stats
+
+
+def document_positions(segment_ids: Int[Array, "b s"]) -> Int[Array, "b s"]:
+    """Position of each token inside its packed document (RoPE and SPEC 8's length scale read these)."""
+    B, S = segment_ids.shape
+    idx = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    starts = jnp.concatenate([jnp.ones((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+
+
+class Transformer(eqx.Module):
+    """SPEC 2. `model(tokens, segment_ids, router_bias) -> (logits fp32 [B,S,V], aux)`."""
+
+    embed: Embedding
+    embed_norm: RMSNorm | None
+    embed_gated_norm: GatedNorm | None
+    blocks: Block
+    final_norm: RMSNorm
+    final_gated_norm: GatedNorm | None
+    lm_head: LMHead
+    layer_is_global: tuple[bool, ...] = eqx.field(static=True)
+    compute_dtype: str = eqx.field(static=True)
+    remat: str = eqx.field(static=True)
+
+    def layer_facts(self) -> LayerFacts:
+        """Per-layer facts as [L]-stacked constants (SPEC 1/2: global ⇒ no window, NoPE, first KV heads)."""
+        att = self.blocks.attention
+        cfg, H = att.config, att.num_heads
+        is_global = np.asarray(self.layer_is_global)
+        local_map = kv_head_map(H, cfg.local_kv_heads)
+        global_map = kv_head_map(H, cfg.global_kv_heads)
+        return LayerFacts(
+            is_global=jnp.asarray(is_global),
+            window=jnp.asarray(np.where(is_global, UNBOUNDED_WINDOW, cfg.window), jnp.int32),
+            rope=jnp.asarray(~is_global | (not cfg.nope_global)),
+            kv_of_head=jnp.asarray([global_map if g else local_map for g in is_global], jnp.int32),
+        )
+
+    def __call__(
+        self, tokens: Int[Array, "b s"], segment_ids: Int[Array, "b s"], router_bias: Float[Array, "layers e"]
+    ) -> tuple[Float[Array, "b s v"], dict[str, Array]]:
+        dtype = compute_dtype(self.compute_dtype)
+        impl = select_impl(self.blocks.attention.config.impl, dtype)
+        positions = document_positions(segment_ids)
+
+        x = jnp.take(self.embed.weight, tokens, axis=0)
+        if self.embed_norm is not None:  # unit-scale input however large Adam grows the embedding
+            x = normalize(self.embed_norm, self.embed_gated_norm, x, dtype)
+        x = x.astype(dtype)
+
+        def layer(x, inputs):
+            block, facts, bias = inputs
+            return block(x, segment_ids, positions, facts, bias, impl)
+
+        if self.remat != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+        x, stats = jax.lax.scan(layer, x, (self.blocks, self.layer_facts(), router_bias))
+
+        h = normalize(self.final_norm, self.final_gated_norm, x, dtype)
+        logits = jnp.einsum("bsd,dv->bsv", h, self.lm_head.weight.astype(dtype), preferred_element_type=F32)
+        return logits, stats
+
+
+# --------------------------------------------------------------------------------------------------
+# Construction from the parameter table.
+
+
+def init_params(recipe: Recipe, key: PRNGKeyArray) -> dict[str, Array]:
+    """Every leaf of `param_table(recipe)` initialized per its spec, fp32 (SPEC 1/2).
+
+    "normal": init_scale/√D · truncated_normal(−3, 3) for every matrix (D the residual width, for all of
+    them); "ones"/"zeros"; "identity_conv": w[lag 0] = 1, other lags 0. Each leaf's key folds in a hash
+    of its path, so adding a leaf never changes the others' values.
+    """
+    m = recipe.model
+    std = m.init_scale / math.sqrt(m.hidden)
+    return {path: _init_leaf(spec, jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF), std)
+            for path, spec in param_table(recipe).items()}  # fmt: skip
+
+
+def _init_leaf(spec: ParamSpec, key: PRNGKeyArray, std: float) -> Array:
+    if spec.init == "normal":
+        return std * jax.random.truncated_normal(key, -3.0, 3.0, spec.shape, F32)
+    if spec.init == "ones":
+        return jnp.ones(spec.shape, F32)
+    if spec.init == "zeros":
+        return jnp.zeros(spec.shape, F32)
+    if spec.init == "identity_conv":
+        lag = spec.axes.index("conv")
+        first = (jnp.arange(spec.shape[lag]) == 0).astype(F32)
+        return jnp.broadcast_to(first.reshape([-1 if i == lag else 1 for i in range(len(spec.shape))]), spec.shape)
+    raise ValueError(f"unknown init {spec.init!r}")
+
+
+def build_model(recipe: Recipe, params: Mapping[str, Array]) -> Transformer:
+    """Assemble the module tree from a {dotted path: array} mapping that covers `param_table(recipe)`."""
+    m, a, moe = recipe.model, recipe.attention, recipe.moe
+    table = param_table(recipe)
+    missing, extra = sorted(set(table) - set(params)), sorted(set(params) - set(table))
+    if missing or extra:
+        raise ValueError(f"parameters do not match the table: missing {missing[:3]}, unexpected {extra[:3]}")
+    p = params
+
+    def norm(prefix: str) -> RMSNorm:
+        return RMSNorm(p[f"{prefix}_norm.gain"], eps=m.norm_eps)
+
+    def gated(prefix: str) -> GatedNorm | None:
+        if not m.gated_norm:
+            return None
+        return GatedNorm(p[f"{prefix}_gated_norm.w_down"], p[f"{prefix}_gated_norm.w_up"])
+
+    def sconv(site: str) -> ShortConv | None:
+        return ShortConv(p[f"blocks.sconv_{site}.weight"]) if site in m.sconv_sites else None
+
+    attention = Attention(
+        w_q=p["blocks.attention.w_q"],
+        w_k=p["blocks.attention.w_k"],
+        w_v=p["blocks.attention.w_v"],
+        w_o=p["blocks.attention.w_o"],
+        w_gate=p.get("blocks.attention.w_gate"),
+        qk_mult=p.get("blocks.attention.qk_mult"),
+        config=a,
+        num_heads=m.num_heads,
+        head_dim=m.head_dim,
+    )
+    shared = None
+    if moe.shared_experts:
+        shared = SharedExperts(*(p[f"blocks.moe.shared.{w}"] for w in ("w_gate", "w_up", "w_down")))
+    latent_moe = LatentMoE(
+        router=p["blocks.moe.router"],
+        latent_down=p.get("blocks.moe.latent_down"),
+        latent_norm=RMSNorm(p["blocks.moe.latent_norm.gain"], eps=m.norm_eps) if moe.latent and moe.latent_norm else None,
+        experts=Experts(*(p[f"blocks.moe.experts.{w}"] for w in ("w_gate", "w_up", "w_down"))),
+        latent_up=p.get("blocks.moe.latent_up"),
+        shared=shared,
+        config=moe,
+    )
+    blocks = Block(
+        attn_norm=norm("blocks.attn"),
+        attn_gated_norm=gated("blocks.attn"),
+        attention=attention,
+        sconv_keys=sconv("keys"),
+        sconv_values=sconv("values"),
+        sconv_attn_out=sconv("attn_out"),
+        mlp_norm=norm("blocks.mlp"),
+        mlp_gated_norm=gated("blocks.mlp"),
+        moe=latent_moe,
+        sconv_mlp_out=sconv("mlp_out"),
+    )
+    return Transformer(
+        embed=Embedding(p["embed.weight"]),
+        embed_norm=norm("embed") if m.embed_norm else None,
+        embed_gated_norm=gated("embed") if m.embed_norm else None,
+        blocks=blocks,
+        final_norm=norm("final"),
+        final_gated_norm=gated("final"),
+        lm_head=LMHead(p["lm_head.weight"]),
+        layer_is_global=recipe.layer_is_global(),
+        compute_dtype=m.compute_dtype,
+        remat=m.remat,
+    )
+
+
+def init_model(recipe: Recipe, key: PRNGKeyArray) -> Transformer:
+    """A freshly initialized model (fp32 master weights). `eqx.filter_eval_shape(init_model, ...)` gives the
+    abstract tree for sharding plans; under `jax.jit(..., out_shardings=...)` it initializes in place."""
+    return build_model(recipe, init_params(recipe, key))
+
+
+def model_params(model: Transformer) -> dict[str, Array]:
+    """{dotted path: array} for every parameter leaf — the inverse of `build_model`."""
+    paths = jax.tree_util.tree_leaves(tree_paths(model))
+    return dict(zip(paths, jax.tree_util.tree_leaves(model), strict=True))

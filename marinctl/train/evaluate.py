@@ -1,0 +1,77 @@
+"""In-loop evaluation (SPEC 6): dropless loss per eval source, bits per byte, and the macro loss.
+
+Dropless means every routed assignment is computed, whatever the training transport drops: the model
+is re-assembled around the same arrays with the `dense` transport (the reference every transport is
+tested against). With an expert axis > 1 (hero-sized experts), `dense` would materialize every token
+through every expert, so evaluation uses `ragged`, which is dropless too and equals `dense` (SPEC 4).
+The macro loss is the unweighted mean over eval sources of each source's mean per-token loss (nats).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+from jaxtyping import Array
+
+from marinctl.model.loss import lm_loss
+from marinctl.model.transformer import build_model, model_params
+from marinctl.recipe import Recipe
+from marinctl.train.step import Batch, device_batch
+
+
+def eval_transport(recipe: Recipe) -> str:
+    return "dense" if recipe.parallel.expert == 1 else "ragged"
+
+
+def dropless_recipe(recipe: Recipe) -> Recipe:
+    return recipe.replace(moe=dataclasses.replace(recipe.moe, transport=eval_transport(recipe)))
+
+
+def eval_sums(model, router_bias: Array, batch: Batch, recipe: Recipe) -> tuple[Array, Array]:
+    """(Σ token CE in nats, Σ scored tokens) of one batch, dropless, with the training router bias."""
+    dropless = build_model(dropless_recipe(recipe), model_params(model))
+    logits, _ = dropless(batch["tokens"], batch["segment_ids"], router_bias)
+    ce = lm_loss(logits, batch["targets"], batch["loss_mask"], 0.0)[1]["ce"]
+    n_tokens = jnp.sum(batch["loss_mask"])
+    return ce * jnp.maximum(n_tokens, 1.0), n_tokens  # lm_loss divides by max(n, 1)
+
+
+def compile_eval_step(recipe: Recipe, model_shardings, batch_sharding: NamedSharding) -> Callable:
+    replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
+    return jax.jit(
+        lambda model, bias, batch: eval_sums(model, bias, batch, recipe),
+        in_shardings=(model_shardings, replicated, batch_sharding),
+        out_shardings=replicated,
+    )
+
+
+def evaluate(
+    eval_step: Callable, model, router_bias: Array, loader, recipe: Recipe, batch_sharding: NamedSharding,
+    *, process_index: int = 0, process_count: int = 1,
+) -> dict[str, float]:
+    """{"loss/<src>", "bpb/<src>", "tokens/<src>" per eval source, "macro_loss"} over `eval.batches`
+    deterministic batches of each source (the same on every host; each host feeds its rows)."""
+    batch_size = recipe.eval.batch_size or recipe.train.batch_size
+    per_host = batch_size // process_count
+    rows = slice(process_index * per_host, (process_index + 1) * per_host)
+    out: dict[str, float] = {}
+    losses = []
+    for source in recipe.eval.sources:
+        total_ce, total_tokens = 0.0, 0.0
+        for batch in loader.eval_batches(source, recipe.eval.batches, batch_size):
+            host = {k: v[rows] for k, v in batch.items()}
+            ce, n = eval_step(model, router_bias, device_batch(host, batch_sharding, batch_size))
+            total_ce, total_tokens = total_ce + float(ce), total_tokens + float(n)
+        loss = total_ce / max(total_tokens, 1.0)
+        out[f"loss/{source}"] = loss
+        out[f"bpb/{source}"] = loss / math.log(2) / loader.bytes_per_token(source)
+        out[f"tokens/{source}"] = total_tokens
+        losses.append(loss)
+    if losses:
+        out["macro_loss"] = sum(losses) / len(losses)
+    return out

@@ -1,0 +1,150 @@
+"""Launch checks: the dry run (full-size state and shardings, shapes only) and the fail-fast fit check.
+
+`dry_run` builds the model and optimizer state abstractly (`jax.eval_shape`: nothing is allocated),
+places them on an abstract mesh of the recipe's size (`jax.sharding.AbstractMesh`), checks that every
+sharded dimension divides, and reports exact per-device parameter and optimizer bytes beside the
+planner's estimate of gradients, activations and MoE buffers. It runs for the hero on a laptop.
+`check_fits` is the same arithmetic against the devices actually present, before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, AxisType
+
+from marinctl.counting import memory_estimate
+from marinctl.errors import UserError
+from marinctl.params import MESH_AXES, recipe_device_count, resolve_mesh_shape
+from marinctl.recipe import Recipe
+
+GiB = 2**30
+
+
+def mesh_sizes(recipe: Recipe, n_devices: int) -> dict[str, int]:
+    """The mesh for `n_devices`, or a user error with the mesh the recipe needs and its memory figures."""
+    try:
+        return resolve_mesh_shape(recipe.parallel, n_devices)
+    except ValueError as err:
+        needed = recipe_device_count(recipe.parallel)
+        figures = ""
+        if needed:
+            mem = memory_estimate(recipe, resolve_mesh_shape(recipe.parallel, needed))
+            figures = f"; on its own mesh it needs {_per_device(mem)} per device"
+        raise UserError(
+            f"{recipe.source}: parallel: {err}{figures} (check with `marinctl train {recipe.source} --dry-run`)"
+        ) from None
+
+
+def _per_device(mem: Any) -> str:
+    return (
+        f"{mem.total / GiB:.2f} GiB (params {mem.params / GiB:.2f} + optimizer {mem.optimizer / GiB:.2f} + grads "
+        f"{mem.gradients / GiB:.2f} + activations {mem.activations / GiB:.2f} + MoE buffers {mem.moe_buffers / GiB:.2f})"
+    )
+
+
+def check_batch_divides(recipe: Recipe, n_devices: int, process_count: int) -> None:
+    """Every device must get whole rows of every micro-batch and eval batch, every host whole rows."""
+    t = recipe.train
+    micro = t.batch_size // t.grad_accum
+    if micro % n_devices:
+        raise UserError(
+            f"{recipe.source}: train.batch_size: {t.batch_size} / grad_accum {t.grad_accum} = {micro} rows per "
+            f"micro-batch do not split over {n_devices} devices"
+        )
+    eval_bs = recipe.eval.batch_size or t.batch_size
+    if recipe.eval.sources and eval_bs % n_devices:
+        raise UserError(f"{recipe.source}: eval.batch_size: {eval_bs} rows do not split over {n_devices} devices")
+    if t.batch_size % process_count or eval_bs % process_count:
+        raise UserError(f"{recipe.source}: train/eval batch sizes do not split over {process_count} processes")
+
+
+def device_memory_bytes(device: Any, local_devices: int) -> int | None:
+    """Memory one device may use: the accelerator's limit, or on CPU the host's RAM over its devices."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # not implemented by every backend
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    if device.platform == "cpu":
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(local_devices, 1)
+        except (ValueError, OSError):
+            return None
+    return None
+
+
+def check_fits(recipe: Recipe, devices: list[Any]) -> dict[str, int]:
+    """Fail fast (exit 2, nothing allocated) when the recipe's mesh or memory does not fit `devices`."""
+    sizes = mesh_sizes(recipe, len(devices))
+    mem = memory_estimate(recipe, sizes)
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    capacity = device_memory_bytes(local[0], len(local))
+    if capacity is not None and mem.total > capacity:
+        mesh = " x ".join(f"{a}={sizes[a]}" for a in MESH_AXES)
+        raise UserError(
+            f"{recipe.source}: needs {_per_device(mem)} per device on mesh {mesh}, but a {local[0].platform} device "
+            f"here has {capacity / GiB:.2f} GiB; use more devices (parallel.*) or a smaller recipe"
+        )
+    return sizes
+
+
+def abstract_mesh(sizes: dict[str, int]) -> AbstractMesh:
+    return AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def dry_run(recipe: Recipe, n_devices: int | None = None) -> dict[str, Any]:
+    """Shapes-only build of the full state on the recipe's mesh: divisibility, exact and estimated bytes."""
+    from marinctl.train.checkpoint import flatten_state
+    from marinctl.train.state import abstract_state, make_optimizer, state_shardings
+
+    n = n_devices or recipe_device_count(recipe.parallel)
+    if n is None:
+        raise UserError(f"{recipe.source}: parallel has a -1 (fill) axis: give the device count with --devices N")
+    sizes = mesh_sizes(recipe, n)
+    check_batch_divides(recipe, n, 1)
+    optimizer = make_optimizer(recipe)
+    abstract = abstract_state(recipe, optimizer)
+    shardings = state_shardings(recipe, optimizer, abstract_mesh(sizes))
+    leaves, problems = flatten_state(abstract), []
+    sharding_of = flatten_state(shardings)
+    per_device = {"model": 0, "opt_state": 0, "other": 0}
+    total_bytes = 0
+    for path, leaf in leaves.items():
+        spec = sharding_of[path].spec
+        for dim, axes in zip(leaf.shape, tuple(spec) + (None,) * (len(leaf.shape) - len(spec))):
+            names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            ways = math.prod(sizes[a] for a in names)
+            if dim % ways:
+                problems.append(f"{path}: dim {dim} over {'x'.join(names)}={ways}")
+        shard = sharding_of[path].shard_shape(leaf.shape)
+        nbytes = math.prod(shard) * np.dtype(leaf.dtype).itemsize
+        group = path.split(".", 1)[0]
+        per_device[group if group in per_device else "other"] += nbytes
+        total_bytes += math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+    if problems:
+        raise UserError(f"{recipe.source}: {len(problems)} leaves do not divide over the mesh, e.g. {problems[0]}")
+    estimate = memory_estimate(recipe, sizes)
+    return {
+        "recipe": recipe.name,
+        "devices": n,
+        "mesh": sizes,
+        "leaves": len(leaves),
+        "state_bytes_total": total_bytes,
+        "per_device_bytes": {
+            "params": per_device["model"],
+            "optimizer": per_device["opt_state"],
+            "other_state": per_device["other"],
+            "gradients_est": estimate.gradients,
+            "activations_est": estimate.activations,
+            "moe_buffers_est": estimate.moe_buffers,
+            "total": per_device["model"] + per_device["opt_state"] + per_device["other"] + estimate.gradients
+            + estimate.activations + estimate.moe_buffers,
+        },
+        "planner_estimate": {k: v for k, v in estimate.__dict__.items()} | {"total": estimate.total},
+    }

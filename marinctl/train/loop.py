@@ -1,0 +1,485 @@
+"""The run, top to bottom: devices → mesh → state (fresh or restored) → steps → checkpoints → eval → plots.
+
+    for step in start .. steps-1:
+        batch  = loader.host_batch(step)            each host reads only its rows
+        state, metrics = train_step(state, batch)   jitted, sharded, state donated
+        log the previous step's metrics             one step behind, so the host never stalls the devices
+        checkpoint every N (async) · evaluate every M (dropless) · stop cleanly on SIGTERM/SIGUSR1
+
+Exact resume: the state holds everything that evolves (model, optimizer, QB bias, step = data position,
+RNG, skipped count), the batch is a pure function of (seed, step), the monitors' history rides in the
+checkpoint metadata, and metrics.jsonl is cut back to the checkpoint. So a run killed after a checkpoint
+and re-run ends bitwise equal to an uninterrupted one on the same devices.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from marinctl.errors import EXIT_OK, EXIT_PREEMPTED, UserError
+from marinctl.recipe import Recipe, load_recipe, recipe_to_dict, recipe_to_toml
+from marinctl.stage import console
+from marinctl.train.distributed import DistributedConfig
+
+log = logging.getLogger(__name__)
+
+HostBatch = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    run_dir: Path
+    quiet: bool = False
+    distributed: DistributedConfig | None = None
+    devices: list[Any] | None = None  # default: every device of every process
+    # Alters a host batch before it reaches the devices. Fault-injection seam for tests (a NaN loss mask
+    # makes a non-finite step); None in every real run.
+    batch_hook: Callable[[int, HostBatch], HostBatch] | None = None
+
+
+@dataclass
+class RunSummary:
+    """The `--json` contract: steps, final_loss, eval_macro_loss, run_dir, exit_reason, and more."""
+
+    steps: int
+    final_loss: float | None
+    eval_macro_loss: float | None
+    run_dir: str
+    exit_reason: str  # "done" | "preempted" | "diverged"
+    initial_eval_macro_loss: float | None = None
+    eval: dict[str, float] = field(default_factory=dict)
+    resumed_from: int | None = None
+    checkpoint_step: int | None = None
+    nonfinite_skipped: int = 0
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    wall_s: float = 0.0
+    message: str = ""
+
+    @property
+    def exit_code(self) -> int:
+        return {"done": EXIT_OK, "preempted": EXIT_PREEMPTED}.get(self.exit_reason, 1)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Preemption:
+    """SIGTERM / SIGUSR1 (what SLURM sends before a requeue or time limit) ask the loop to stop after the
+    current step; the loop checkpoints and exits 3. Across processes the earliest request wins."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.flag = threading.Event()
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> Preemption:
+        if threading.current_thread() is threading.main_thread():  # handlers only install there
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        log.warning("received %s: finishing the step, checkpointing, exiting with code 3", signal.Signals(signum).name)
+        self.flag.set()
+
+    def requested(self, process_count: int) -> bool:
+        if process_count == 1:
+            return self.flag.is_set()
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.int32(self.flag.is_set()))
+        return bool(np.any(flags))
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def configure_jax() -> None:
+    """A persistent compilation cache (re-runs and resumes skip XLA compilation) unless the user chose one."""
+    import jax
+
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR") and not jax.config.jax_compilation_cache_dir:
+        cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "marinctl" / "xla"
+        jax.config.update("jax_compilation_cache_dir", str(cache))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+def eval_due(step: int, last_step: int, every: int) -> bool:
+    """At the start (step 0), every `eval.every` steps, and at the end."""
+    return step == 0 or step == last_step or (every > 0 and step % every == 0)
+
+
+def prepare_run_dir(run_dir: Path, recipe: Recipe, is_main: bool) -> None:
+    """Create the run dir and save the resolved recipe; a changed recipe in an existing run is named."""
+    if not is_main:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "recipe.toml"
+    if path.is_file():
+        try:
+            before = recipe_to_dict(load_recipe(path))
+        except UserError:
+            before = {}
+        changed = _changed_keys(before, recipe_to_dict(recipe))
+        if changed:
+            log.warning("%s: recipe changed since the last run of this directory: %s", run_dir, ", ".join(changed[:8]))
+    tmp = path.with_suffix(".toml.tmp")
+    tmp.write_text(recipe_to_toml(recipe))
+    os.replace(tmp, path)
+
+
+def _changed_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(a) | set(b)):
+        va, vb = a.get(key), b.get(key)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += _changed_keys(va, vb, f"{prefix}{key}.")
+        elif va != vb and key not in ("name", "description"):
+            out.append(f"{prefix}{key}")
+    return out
+
+
+def run(recipe: Recipe, options: RunOptions) -> RunSummary:
+    """Train `recipe` into `options.run_dir` (resuming from its newest valid checkpoint)."""
+    from marinctl.train import distributed
+
+    distributed.initialize(options.distributed)  # before anything else touches the devices
+    configure_jax()
+    import jax
+
+    from marinctl.train.launch import check_batch_divides, check_fits
+
+    wall_start = time.perf_counter()
+    devices = list(options.devices or jax.devices())
+    process_index, process_count = jax.process_index(), jax.process_count()
+    # Fail fast, before tokenizing or allocating anything.
+    sizes = check_fits(recipe, devices)
+    check_batch_divides(recipe, len(devices), process_count)
+    return _Run(recipe, options, devices, sizes, process_index, process_count, wall_start).execute()
+
+
+class _Run:
+    """One invocation of `run`; a class only to keep the loop's shared objects in one place."""
+
+    def __init__(self, recipe, options, devices, sizes, process_index, process_count, wall_start):
+        self.recipe, self.options, self.devices, self.sizes = recipe, options, devices, sizes
+        self.process_index, self.process_count = process_index, process_count
+        self.is_main = process_index == 0
+        self.wall_start = wall_start
+        self.out = console()
+        self.show = self.is_main and not options.quiet
+
+    def execute(self) -> RunSummary:
+        import jax
+
+        from marinctl.counting import count_params, flops_per_token
+        from marinctl.data.builtin import ensure_builtin_corpus
+        from marinctl.data.loader import Loader
+        from marinctl.hparams import hyperparams
+        from marinctl.params import param_table
+        from marinctl.routing.mesh import batch_sharding, make_mesh
+        from marinctl.train.checkpoint import Checkpoints, unflatten_like
+        from marinctl.train.evaluate import compile_eval_step, eval_transport
+        from marinctl.train.metrics import FLOP_CONVENTION, MetricsLog, device_peak_flops, make_sinks
+        from marinctl.train.monitors import HealthMonitor
+        from marinctl.train.state import abstract_state, init_state, make_optimizer, state_shardings, with_shardings
+        from marinctl.train.step import compile_param_norms, compile_train_step
+
+        recipe, run_dir = self.recipe, self.options.run_dir
+        prepare_run_dir(run_dir, recipe, self.is_main)
+        self._corpus(ensure_builtin_corpus)
+        self.loader = Loader(recipe)
+
+        self.mesh = make_mesh(recipe.parallel, self.devices)
+        self.batch_sharding = batch_sharding(self.mesh)
+        optimizer = make_optimizer(recipe)
+        shardings = state_shardings(recipe, optimizer, self.mesh)
+        abstract = with_shardings(abstract_state(recipe, optimizer), shardings)
+
+        ckpt_dir = Path(recipe.checkpoint.dir) if recipe.checkpoint.dir else run_dir / "checkpoints"
+        self.checkpoints = Checkpoints(ckpt_dir, recipe.checkpoint)
+        table = param_table(recipe)
+        self.monitor = HealthMonitor(
+            recipe.log, recipe.train.max_nonfinite_steps,
+            hyperball=tuple(p for p, s in table.items() if s.group in ("muonh", "adamh")),
+            matrices=tuple(p for p, s in table.items() if s.init == "normal"),
+        )
+        with jax.set_mesh(self.mesh):
+            restored = self.checkpoints.restore_latest(abstract)
+            if restored is not None:
+                state = unflatten_like(abstract, restored.state)
+                self.monitor.load_state_dict(restored.meta["monitors"])
+                start = restored.step
+            else:
+                state = jax.jit(lambda: init_state(recipe, optimizer), out_shardings=shardings)()
+                start = 0
+            t0 = time.perf_counter()
+            global_batch = recipe.train.batch_size
+            batch_spec = {
+                k: jax.ShapeDtypeStruct((global_batch, recipe.train.seq_len), dt, sharding=self.batch_sharding)
+                for k, dt in (("tokens", np.int32), ("targets", np.int32), ("segment_ids", np.int32),
+                              ("loss_mask", np.float32))
+            }  # fmt: skip
+            self.train_step = compile_train_step(recipe, optimizer, shardings, self.batch_sharding).lower(
+                abstract, batch_spec
+            ).compile()
+            self.eval_step = compile_eval_step(recipe, shardings.model, self.batch_sharding)
+            compile_s = time.perf_counter() - t0
+            if restored is None:
+                self.monitor.start(jax.device_get(compile_param_norms(recipe, shardings)(state)))
+
+        self.hp = hyperparams(recipe)
+        self.flops = flops_per_token(recipe)
+        local = [d for d in self.devices if d.process_index == self.process_index]
+        self.peak, peak_source = device_peak_flops(local)
+        self.metrics = MetricsLog(
+            run_dir / "metrics.jsonl", enabled=self.is_main,
+            sinks=make_sinks(recipe.log, run_dir, recipe_to_dict(recipe)) if self.is_main else [],
+        )
+        self.metrics.resume(start)
+        counts = count_params(recipe)
+        if self.show:
+            from marinctl.train.display import header_table
+
+            mesh = " x ".join(f"{k}={v}" for k, v in self.sizes.items())
+            rows = [
+                ("recipe", f"{recipe.name} ({recipe.source})"),
+                ("run dir", str(run_dir)),
+                ("devices", f"{len(self.devices)} x {self.devices[0].device_kind} over {self.process_count} process(es); mesh {mesh}"),
+                ("parameters", f"{counts.total:,} total, {counts.active:,} active"),
+                ("batch", f"{global_batch} x {recipe.train.seq_len} = {recipe.tokens_per_step:,} tokens/step, "
+                          f"{recipe.train.steps} steps, grad_accum {recipe.train.grad_accum}"),
+                ("optimizer", f"Adam {self.hp.adam_lr:.3g}, MuonH {self.hp.muonh_lr:.3g}, AdamH {self.hp.adamh_lr:.3g}; "
+                              f"warmup {self.hp.warmup_steps}"),
+                ("MoE", f"transport {recipe.moe.transport} (cf {recipe.moe.capacity_factor:g}), eval dropless via "
+                        f"{eval_transport(recipe)}, balancing {recipe.moe.balancing}"),
+                ("FLOPs", f"{self.flops.per_token:.4g}/token forward; MFU convention {FLOP_CONVENTION}"),
+                ("peak", f"{self.peak / 1e12:.3f} TFLOP/s per device ({peak_source})"),
+                ("start", f"resumed from step {start}" if restored else "fresh"),
+                ("compile", f"{compile_s:.1f}s"),
+            ]  # fmt: skip
+            self.out.print(header_table(rows, "marinctl train"))
+            if restored and restored.skipped:
+                self.out.print(f"[yellow]skipped unreadable checkpoints {list(restored.skipped)}")
+
+        summary = RunSummary(
+            steps=start, final_loss=None, eval_macro_loss=None, run_dir=str(run_dir), exit_reason="done",
+            resumed_from=start if restored else None, checkpoint_step=restored.step if restored else None,
+        )
+        try:
+            state = self._loop(state, start, summary)
+        finally:
+            self.checkpoints.wait()
+            self.checkpoints.close()
+            self.metrics.close()
+        if summary.exit_reason == "done" and self.is_main:
+            self._finish(summary)
+        summary.wall_s = time.perf_counter() - self.wall_start
+        return summary
+
+    def _corpus(self, ensure: Callable) -> None:
+        """Build the built-in corpus once: process 0 first, then the others find it (shared or local)."""
+        if self.is_main:
+            if self.recipe.data.builtin and self.show:
+                self.out.print(f"checking the built-in corpus under {self.recipe.data.root} …")
+            ensure(self.recipe)
+        if self.process_count > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("marinctl-corpus")
+            if not self.is_main:
+                ensure(self.recipe)
+
+    # ----------------------------------------------------------------------------------------------
+
+    def _loop(self, state, start: int, summary: RunSummary):
+        import jax
+
+        from marinctl.train.checkpoint import save_due
+        from marinctl.train.display import LiveDisplay
+        from marinctl.train.monitors import NonFiniteAbort
+        from marinctl.train.step import device_batch
+
+        recipe, steps = self.recipe, self.recipe.train.steps
+        display = LiveDisplay(self.out, steps, start, enabled=self.show)
+        hook = self.options.batch_hook
+        self._last_done = time.perf_counter()
+        self._throughput: list[dict[str, float]] = []
+        try:
+            with jax.set_mesh(self.mesh), Preemption() as preemption:
+                if start < steps and eval_due(start, steps, recipe.eval.every):
+                    self._evaluate(state, start, summary)
+                batches = self.loader.iterate(
+                    start, steps, process_index=self.process_index, process_count=self.process_count
+                )
+                pending = None
+                try:
+                    for step in range(start, steps):
+                        host = next(batches)
+                        if hook is not None:
+                            host = hook(step, host)
+                        batch = device_batch(host, self.batch_sharding, recipe.train.batch_size)
+                        state, metrics = self.train_step(state, batch)
+                        if pending is not None:  # the previous step's numbers, while this one runs
+                            self._record(*pending, summary, display)
+                        pending = (step, metrics)
+                        done = step + 1
+                        stop = preemption.requested(self.process_count)
+                        save = save_due(done, steps, recipe.checkpoint.every) or stop
+                        evaluate = eval_due(done, steps, recipe.eval.every)
+                        if save or evaluate:
+                            self._record(*pending, summary, display)
+                            pending = None
+                        if save:
+                            self._save(state, done, summary)
+                        if evaluate:
+                            self._evaluate(state, done, summary)
+                        summary.steps = done
+                        if stop and done < steps:
+                            summary.exit_reason = "preempted"
+                            summary.message = f"preempted: checkpoint at step {done}; re-run the command to continue"
+                            break
+                    if pending is not None:
+                        self._record(*pending, summary, display)
+                finally:
+                    batches.close()
+        except NonFiniteAbort as err:
+            summary.exit_reason, summary.message = "diverged", str(err)
+        finally:
+            display.close()
+        if start >= steps:  # already complete: report the final evaluation again
+            with jax.set_mesh(self.mesh):
+                self._evaluate(state, steps, summary)
+            summary.steps = steps
+        return state
+
+    def _record(self, step: int, metrics: dict, summary: RunSummary, display) -> None:
+        """Turn a step's device metrics into the metrics.jsonl record, the monitors' input and the display."""
+        import jax
+
+        from marinctl.hparams import lr_multiplier
+        from marinctl.train.metrics import throughput
+
+        m = jax.device_get(metrics)
+        now = time.perf_counter()
+        seconds, self._last_done = now - self._last_done, now
+        finite = bool(m["finite"])
+        skipped = int(m["nonfinite_skipped"])
+        hp = self.hp
+        applied = step - (skipped - (0 if finite else 1))  # the optimizer's count: skipped steps do not tick it
+        mult = lr_multiplier(applied, hp.warmup_steps, hp.steps, hp.final_lr_fraction)
+        speed = throughput(self.recipe.tokens_per_step, seconds, self.flops.per_token, len(self.devices), self.peak)
+        record: dict[str, Any] = {
+            "kind": "train",
+            "step": step,
+            "loss": float(m["loss"]),
+            "ce": float(m["ce"]),
+            "z_loss": float(m["z_loss"]),
+            "lr": hp.adam_lr * mult,
+            "lr_muonh": hp.muonh_lr * mult,
+            "grad_norm": float(m["grad_norm"]),
+            **speed,
+            "drop_frac": float(m["drop_frac"]),
+            "routing_entropy": float(m["routing_entropy"]),
+            "finite": finite,
+            "nonfinite_skipped": skipped,
+            "loss_tokens": float(m["tokens"]),
+        }
+        for key in ("drop_frac_per_layer", "sender_drop_frac_per_layer", "receiver_drop_frac_per_layer",
+                    "routing_entropy_per_layer", "max_mean_load_per_layer", "router_z_per_layer"):  # fmt: skip
+            record[key] = np.asarray(m[key]).tolist()
+        for key, value in m.items():
+            if key.startswith("grad_norm/") or key == "embed_grad_norm":
+                record[key] = float(value)
+        norms_every = self.recipe.log.norms_every
+        if norms_every and (step % norms_every == 0 or step + 1 == self.recipe.train.steps):
+            for path, value in m["param_norms"].items():
+                record[f"param_norm/{path}"] = np.asarray(value).tolist()
+            g = np.asarray(m.get("expert_grad_norm", np.zeros((0, 0))))
+            if g.size:
+                record["expert_grad_norm_min_over_median"] = float(np.min(g / np.maximum(np.median(g, -1, keepdims=True), 1e-30)))
+        warnings = self.monitor.observe(
+            step, finite=finite,
+            norms=m["param_norms"] if finite else None,
+            embed_grad_norm=float(m["embed_grad_norm"]) if "embed_grad_norm" in m else None,
+            expert_grad_norms=m.get("expert_grad_norm") if finite else None,
+        )  # raises NonFiniteAbort after train.max_nonfinite_steps in a row
+        if warnings:
+            record["warnings"] = warnings
+            for text in warnings:
+                display.message(f"[yellow]warning:[/yellow] {text}")
+        if step % self.recipe.log.every == 0 or step + 1 == self.recipe.train.steps or warnings:
+            self.metrics.write(record)
+        summary.final_loss = record["loss"] if finite else summary.final_loss
+        summary.nonfinite_skipped = skipped
+        self._throughput.append(speed)
+        display.update(record)
+
+    def _save(self, state, step: int, summary: RunSummary) -> None:
+        self.checkpoints.save(step, state, {"monitors": self.monitor.state_dict(), "recipe": self.recipe.name})
+        summary.checkpoint_step = step
+        self._last_done = time.perf_counter()  # the copy off the devices is not training time
+
+    def _evaluate(self, state, step: int, summary: RunSummary) -> None:
+        from marinctl.train.evaluate import evaluate
+
+        if not self.recipe.eval.sources:
+            return
+        result = evaluate(
+            self.eval_step, state.model, state.router_bias, self.loader, self.recipe, self.batch_sharding,
+            process_index=self.process_index, process_count=self.process_count,
+        )
+        record = {"kind": "eval", "step": step, **result}
+        self.metrics.write(record)
+        if summary.initial_eval_macro_loss is None and step == 0:
+            summary.initial_eval_macro_loss = result.get("macro_loss")
+        summary.eval_macro_loss = result.get("macro_loss")
+        summary.eval = {k: v for k, v in result.items() if not k.startswith("tokens/")}
+        if self.show:
+            self.out.print(f"eval step {step}: macro loss {result.get('macro_loss', float('nan')):.4f}  " + "  ".join(
+                f"{s} {result[f'loss/{s}']:.4f}" for s in self.recipe.eval.sources))
+        self._last_done = time.perf_counter()
+
+    def _finish(self, summary: RunSummary) -> None:
+        """Plots, the per-domain eval table against the run's first evaluation, throughput figures."""
+        from marinctl.train.display import eval_table
+        from marinctl.train.metrics import read_metrics
+        from marinctl.train.plots import write_plots
+
+        run_dir = self.options.run_dir
+        records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+        evals = [r for r in records if r.get("kind") == "eval"]
+        if evals:
+            summary.initial_eval_macro_loss = evals[0].get("macro_loss")
+        if self._throughput:
+            steady = self._throughput[len(self._throughput) // 5:] or self._throughput  # skip the warm-up
+            summary.tokens_per_s = float(np.median([t["tokens_per_s"] for t in steady]))
+            summary.mfu = float(np.median([t["mfu"] for t in steady]))
+        try:
+            write_plots(run_dir)
+        except UserError as err:
+            log.warning("no plots: %s", err)
+        if self.show and evals and self.recipe.eval.sources:
+            first = evals[0] if evals[0]["step"] != evals[-1]["step"] else None
+            self.out.print(eval_table(first, evals[-1], self.recipe.eval.sources))
+        if self.show and summary.tokens_per_s is not None:
+            self.out.print(
+                f"throughput {summary.tokens_per_s:,.0f} tokens/s, MFU {summary.mfu:.2%} (median); "
+                f"skipped non-finite steps: {summary.nonfinite_skipped}"
+            )
+        if not math.isfinite(summary.final_loss or 0.0):
+            log.warning("final loss is not finite")

@@ -1,0 +1,227 @@
+"""Attention against a naive per-query masked-softmax loop in numpy (SPEC 2 attention, steps 1–8)."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from marinctl.errors import UserError
+from marinctl.model.attention import (
+    UNBOUNDED_WINDOW,
+    Attention,
+    LayerFacts,
+    attention_mask,
+    fused_attention,
+    kv_head_map,
+    log_length_scale,
+    masked_softmax_attention,
+    rope,
+    select_impl,
+)
+from marinctl.model.layers import ShortConv
+from marinctl.recipe import AttentionConfig
+
+B, S, H, Dh, D = 2, 12, 4, 8, 32
+SEG = np.array([[1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 0, 0], [3] * 12])
+
+
+def doc_positions(seg):
+    pos = np.zeros_like(seg)
+    for b in range(seg.shape[0]):
+        for t in range(1, seg.shape[1]):
+            pos[b, t] = pos[b, t - 1] + 1 if seg[b, t] == seg[b, t - 1] else 0
+    return pos
+
+
+def np_rms(x, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def np_rope(x, pos, rotary_dims, theta):
+    """Split halves: dim i pairs with i + R/2, angle pos · θ^(−2i/R), as a complex rotation."""
+    half = rotary_dims // 2
+    out = x.copy()
+    for i in range(half):
+        angle = pos[:, :, None] * theta ** (-2 * i / rotary_dims)
+        z = (x[..., i] + 1j * x[..., i + half]) * np.exp(1j * angle)
+        out[..., i], out[..., i + half] = z.real, z.imag
+    return out
+
+
+def np_sconv(x, w, seg):
+    out = np.zeros_like(x)
+    for b in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            for lag in range(w.shape[0]):
+                if t - lag >= 0 and seg[b, t - lag] == seg[b, t]:
+                    out[b, t] += w[lag] * x[b, t - lag]
+    return out
+
+
+def naive_attention(a, p, cfg, facts, sconv_k=None, sconv_v=None):
+    """The SPEC written as loops: one query, one head at a time."""
+    pos = doc_positions(SEG)
+    q, k, v = a @ p["w_q"], a @ p["w_k"], a @ p["w_v"]
+    if sconv_k is not None:
+        k = np_sconv(k, sconv_k, SEG)
+    if sconv_v is not None:
+        v = np_sconv(v, sconv_v, SEG)
+    q, k, v = q.reshape(B, S, H, Dh), k.reshape(B, S, -1, Dh), v.reshape(B, S, -1, Dh)
+    if cfg.qk_norm:
+        q, k = np_rms(q, cfg.qk_norm_eps), np_rms(k, cfg.qk_norm_eps)
+    q = q * cfg.qk_mult * (p["qk_mult"][:, None] if "qk_mult" in p else 1.0)
+    R = int(Dh * cfg.rope_fraction)
+    if facts["rope"] and R:
+        q, k = np_rope(q, pos, R, cfg.rope_theta), np_rope(k, pos, R, cfg.rope_theta)
+    z = np.zeros((B, S, H, Dh))
+    for b in range(B):
+        for h in range(H):
+            g = facts["kv_of_head"][h]
+            for i in range(S):
+                keys = [j for j in range(S) if j <= i and i - j < facts["window"] and SEG[b, j] == SEG[b, i]]
+                scores = np.array([q[b, i, h] @ k[b, j, g] for j in keys]) / np.sqrt(Dh)
+                w = np.exp(scores - scores.max())
+                y = (w / w.sum()) @ v[b, keys, g]
+                if cfg.xsa:
+                    own = v[b, i, g]
+                    y = y - (y @ own) / (own @ own + 1e-6) * own
+                if "w_gate" in p:
+                    y = y * 2 / (1 + np.exp(-(a[b, i] @ p["w_gate"][:, h])))
+                z[b, i, h] = y
+    return z.reshape(B, S, H * Dh) @ p["w_o"]
+
+
+def make_facts(is_global, window, rope_on, kv):
+    arrays = LayerFacts(
+        is_global=jnp.asarray(is_global),
+        window=jnp.asarray(window, jnp.int32),
+        rope=jnp.asarray(rope_on),
+        kv_of_head=jnp.asarray(kv_head_map(H, kv), jnp.int32),
+    )
+    return arrays, {"window": window, "rope": rope_on, "kv_of_head": kv_head_map(H, kv)}
+
+
+def make_attention(cfg, stored_kv, seed=0):
+    rng = np.random.default_rng(seed)
+    p = {
+        "w_q": rng.normal(size=(D, H * Dh)) * 0.3,
+        "w_k": rng.normal(size=(D, stored_kv * Dh)) * 0.3,
+        "w_v": rng.normal(size=(D, stored_kv * Dh)) * 0.3,
+        "w_o": rng.normal(size=(H * Dh, D)) * 0.3,
+    }
+    if cfg.gate:
+        p["w_gate"] = rng.normal(size=(D, H)) * 0.3
+    if cfg.qk_mult_learnable:
+        p["qk_mult"] = rng.uniform(0.5, 2.0, size=(H,))
+    p = {n: w.astype(np.float32) for n, w in p.items()}
+    module = Attention(
+        **{n: jnp.asarray(w) for n, w in p.items()},
+        **{n: None for n in ("w_gate", "qk_mult") if n not in p},
+        config=cfg,
+        num_heads=H,
+        head_dim=Dh,
+    )
+    return module, p
+
+
+BASE = AttentionConfig(local_kv_heads=2, global_kv_heads=1, window=4)
+CASES = {
+    # the hero's local layer: window, partial RoPE, 2 KV heads (GQA 2:1 here), SConv on keys
+    "local": (BASE, 2, (False, 4, True, 2), True, False),
+    # the hero's global layer: no window, NoPE, only the first of the 2 stored KV heads (GQA 4:1)
+    "global": (BASE, 2, (True, UNBOUNDED_WINDOW, False, 1), True, False),
+    # ablations: no QK norm, no XSA, no gate, full RoPE, learnable qk_mult, MHA, SConv on values
+    "ablations": (
+        dataclasses.replace(BASE, qk_norm=False, xsa=False, gate=False, rope_fraction=1.0, qk_mult_learnable=True,
+                            local_kv_heads=4, window=3),
+        4, (False, 3, True, 4), False, True,
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_attention_equals_naive_masked_softmax_loop(case):
+    cfg, stored, (is_global, window, rope_on, kv), conv_keys, conv_values = CASES[case]
+    module, p = make_attention(cfg, stored)
+    facts, np_facts = make_facts(is_global, window, rope_on, kv)
+    rng = np.random.default_rng(1)
+    a = rng.normal(size=(B, S, D)).astype(np.float32)
+    wk = rng.normal(size=(3, stored * Dh)).astype(np.float32) if conv_keys else None
+    wv = rng.normal(size=(3, stored * Dh)).astype(np.float32) if conv_values else None
+    out = eqx.filter_jit(module)(
+        jnp.asarray(a), jnp.asarray(SEG), jnp.asarray(doc_positions(SEG)), facts,
+        ShortConv(jnp.asarray(wk)) if conv_keys else None, ShortConv(jnp.asarray(wv)) if conv_values else None,
+    )  # fmt: skip
+    expected = naive_attention(a.astype(np.float64), p, cfg, np_facts, wk, wv)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-4, atol=2e-4)
+
+
+def test_xsa_output_of_every_head_is_orthogonal_to_its_own_value_vector():
+    cfg = dataclasses.replace(BASE, gate=False)
+    module, p = make_attention(cfg, 2, seed=3)
+    module = dataclasses.replace(module, w_o=jnp.eye(H * Dh))  # expose z = the merged heads
+    facts, _ = make_facts(False, 4, True, 2)
+    a = np.random.default_rng(4).normal(size=(B, S, D)).astype(np.float32)
+    z = np.asarray(eqx.filter_jit(module)(jnp.asarray(a), jnp.asarray(SEG), jnp.asarray(doc_positions(SEG)), facts))
+    z = z.reshape(B, S, H, Dh)
+    v = (a @ p["w_v"]).reshape(B, S, 2, Dh)[:, :, kv_head_map(H, 2)]
+    # The coefficient of z along v (1 for a document's first token before XSA, which sees only itself).
+    along = np.sum(z * v, -1) / np.sum(v * v, -1)
+    assert np.abs(along).max() < 1e-5
+    without = dataclasses.replace(module, config=dataclasses.replace(cfg, xsa=False))
+    z_plain = np.asarray(eqx.filter_jit(without)(jnp.asarray(a), jnp.asarray(SEG), jnp.asarray(doc_positions(SEG)), facts))
+    assert np.abs(np.sum(z_plain.reshape(B, S, H, Dh) * v, -1) / np.sum(v * v, -1)).mean() > 0.1
+
+
+def test_partial_rope_rotates_only_the_first_half_of_each_head():
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(2, 7, 3, 16)).astype(np.float32)
+    pos = rng.integers(0, 5000, size=(2, 7))
+    out = np.asarray(rope(jnp.asarray(x), jnp.asarray(pos), 8, 10000.0, jnp.asarray(True)))
+    np.testing.assert_array_equal(out[..., 8:], x[..., 8:])
+    np.testing.assert_allclose(out, np_rope(x.astype(np.float64), pos, 8, 10000.0), rtol=1e-4, atol=1e-4)
+    off = np.asarray(rope(jnp.asarray(x), jnp.asarray(pos), 8, 10000.0, jnp.asarray(False)))
+    np.testing.assert_array_equal(off, x)
+
+
+def test_global_layers_carry_no_position_while_local_layers_do():
+    module, _ = make_attention(BASE, 2, seed=6)
+    a = jnp.asarray(np.random.default_rng(7).normal(size=(B, S, D)).astype(np.float32))
+    seg = jnp.asarray(SEG)
+    pos = doc_positions(SEG)
+    scrambled = np.random.default_rng(8).permutation(pos.T).T * 37  # any other positions
+    for is_global, window, rope_on, kv in ((True, UNBOUNDED_WINDOW, False, 1), (False, 4, True, 2)):
+        facts, _ = make_facts(is_global, window, rope_on, kv)
+        call = eqx.filter_jit(module)
+        first = np.asarray(call(a, seg, jnp.asarray(pos), facts))
+        second = np.asarray(call(a, seg, jnp.asarray(scrambled), facts))
+        if is_global:
+            np.testing.assert_array_equal(first, second)
+        else:
+            assert np.abs(first - second).max() > 1e-3
+
+
+def test_fused_attention_call_matches_the_plain_path():
+    """The cuDNN path's argument layout and mask, run through jax.nn's XLA implementation on CPU."""
+    rng = np.random.default_rng(9)
+    q, k, v = (jnp.asarray(rng.normal(size=(B, S, H, Dh)).astype(np.float32)) for _ in range(3))
+    for window in (3, UNBOUNDED_WINDOW):
+        mask = attention_mask(jnp.asarray(SEG), jnp.asarray(window))
+        plain = jax.jit(masked_softmax_attention)(q, k, v, mask)
+        fused = jax.jit(fused_attention, static_argnums=4)(q, k, v, mask, "xla")
+        np.testing.assert_allclose(np.asarray(fused), np.asarray(plain), rtol=1e-5, atol=1e-5)
+
+
+def test_cudnn_is_never_selected_on_cpu():
+    assert select_impl("auto", jnp.bfloat16) == "xla"
+    assert select_impl("xla", jnp.float32) == "xla"
+    with pytest.raises(UserError, match="attention.impl"):
+        select_impl("cudnn", jnp.bfloat16)
+
+
+def test_log_length_scale_is_one_up_to_65k_then_squared_log_growth():
+    pos = jnp.asarray([[0, 65535, 131071, 262143]])
+    np.testing.assert_allclose(np.asarray(log_length_scale(pos))[0], [1.0, 1.0, 1.1434, 1.2965], atol=1e-4)

@@ -1,0 +1,202 @@
+"""The assembled model: its tree equals the parameter table, init follows the spec, per-layer facts follow the
+layer pattern, outputs respect causality and document boundaries, and the tiny recipe trains on CPU."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from marinctl.counting import count_params
+from marinctl.model.attention import UNBOUNDED_WINDOW
+from marinctl.model.loss import model_loss
+from marinctl.model.transformer import document_positions, init_model, model_params
+from marinctl.params import param_table
+
+KEY = jax.random.key(0)
+
+
+def abstract_params(recipe):
+    return model_params(eqx.filter_eval_shape(init_model, recipe, KEY))
+
+
+def replace(recipe, section, **fields):
+    return recipe.replace(**{section: dataclasses.replace(getattr(recipe, section), **fields)})
+
+
+VARIANTS = {
+    "tiny": lambda r: r,
+    "no_gated_norm": lambda r: replace(r, "model", gated_norm=False),
+    "no_embed_norm": lambda r: replace(r, "model", embed_norm=False),
+    "sconv_values_only": lambda r: replace(r, "model", sconv_sites=("values",), sconv_kernel=2),
+    "no_gate_learnable_qk": lambda r: replace(r, "attention", gate=False, qk_mult_learnable=True),
+    "no_latent_no_shared": lambda r: replace(r, "moe", latent=False, shared_experts=0),
+    "no_latent_norm": lambda r: replace(r, "moe", latent_norm=False),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_model_tree_equals_the_parameter_table_leaf_for_leaf(tiny_recipe, variant):
+    recipe = VARIANTS[variant](tiny_recipe)
+    params = abstract_params(recipe)
+    table = param_table(recipe)
+    assert list(params) == list(table)  # same paths, same order (SPEC 2 order)
+    for path, spec in table.items():
+        assert params[path].shape == spec.shape, path
+        assert params[path].dtype == jnp.float32, path
+
+
+def test_hero_model_tree_equals_the_parameter_table(hero_recipe):
+    params = abstract_params(hero_recipe)
+    assert {p: a.shape for p, a in params.items()} == {p: s.shape for p, s in param_table(hero_recipe).items()}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_recipe):
+    return init_model(tiny_recipe, KEY)
+
+
+def test_instantiated_tiny_model_has_the_planned_parameter_count(tiny_recipe, tiny_model):
+    n = sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(tiny_model))
+    assert n == count_params(tiny_recipe).total
+
+
+def test_init_follows_each_leaf_spec(tiny_recipe, tiny_model):
+    std = tiny_recipe.model.init_scale / np.sqrt(tiny_recipe.model.hidden)
+    for path, spec in param_table(tiny_recipe).items():
+        w = np.asarray(model_params(tiny_model)[path])
+        if spec.init == "normal":
+            assert np.abs(w).max() <= 3 * std * (1 + 1e-6), path
+            # truncated at ±3σ the standard deviation is 0.9866σ
+            assert abs(w.std() / (0.9866 * std) - 1) < (0.05 if w.size > 20000 else 0.15), path
+        elif spec.init == "ones":
+            assert np.all(w == 1), path
+        elif spec.init == "zeros":
+            assert np.all(w == 0), path
+        else:  # identity_conv: lag 0 is 1, other lags 0
+            assert np.all(w[:, 0] == 1) and np.all(w[:, 1:] == 0), path
+
+
+def test_layer_facts_follow_the_local_global_pattern(tiny_recipe, tiny_model):
+    facts = tiny_model.layer_facts()
+    a = tiny_recipe.attention
+    assert np.asarray(facts.is_global).tolist() == [False, False, False, True]
+    assert np.asarray(facts.window).tolist() == [a.window] * 3 + [UNBOUNDED_WINDOW]
+    assert np.asarray(facts.rope).tolist() == [True, True, True, False]  # NoPE on the global layer
+    assert np.asarray(facts.kv_of_head).tolist() == [[0, 0, 1, 1]] * 3 + [[0, 0, 0, 0]]
+
+
+def test_document_positions_restart_at_every_document():
+    seg = np.array([[1, 1, 1, 2, 2, 0, 0], [5, 5, 5, 5, 5, 5, 6]])
+    expected = [[0, 1, 2, 0, 1, 0, 1], [0, 1, 2, 3, 4, 5, 0]]
+    assert np.asarray(document_positions(jnp.asarray(seg))).tolist() == expected
+
+
+@pytest.fixture(scope="module")
+def small(small_recipe):
+    model = init_model(small_recipe, KEY)
+    # Non-trivial SConv taps and attention gate, so the boundary tests exercise them.
+    rng = np.random.default_rng(0)
+    model = eqx.tree_at(
+        lambda m: (m.blocks.sconv_keys.weight, m.blocks.sconv_attn_out.weight, m.blocks.sconv_mlp_out.weight,
+                   m.blocks.attention.w_gate),
+        model,
+        replace_fn=lambda w: jnp.asarray(rng.normal(size=w.shape).astype(np.float32) * 0.5),
+    )  # fmt: skip
+    return model, eqx.filter_jit(lambda m, t, s, b: m(t, s, b)[0])
+
+
+def test_changing_later_tokens_never_changes_earlier_outputs(small_recipe, small):
+    model, forward = small
+    S, V, L, E = small_recipe.train.seq_len, small_recipe.model.vocab_size, 2, small_recipe.moe.num_experts
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, V, size=(2, S))
+    seg = np.ones((2, S), np.int32)
+    bias = jnp.asarray(rng.normal(size=(L, E)).astype(np.float32))
+    t = 9
+    changed = tokens.copy()
+    changed[:, t + 1 :] = rng.integers(0, V, size=(2, S - t - 1))
+    before = np.asarray(forward(model, jnp.asarray(tokens), jnp.asarray(seg), bias))
+    after = np.asarray(forward(model, jnp.asarray(changed), jnp.asarray(seg), bias))
+    np.testing.assert_array_equal(after[:, : t + 1], before[:, : t + 1])
+    assert np.abs(after[:, t + 1 :] - before[:, t + 1 :]).max() > 1e-4  # the change does reach later tokens
+
+
+def test_changing_a_document_never_changes_the_next_document_in_the_packed_sequence(small_recipe, small):
+    model, forward = small
+    S, V, E = small_recipe.train.seq_len, small_recipe.model.vocab_size, small_recipe.moe.num_experts
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(0, V, size=(2, S))
+    seg = np.array([[1] * 7 + [2] * 6 + [0] * 3, [3] * 5 + [4] * 11])
+    bias = jnp.zeros((2, E))
+    changed = tokens.copy()
+    changed[0, :7] = rng.integers(0, V, size=7)  # rewrite document 1
+    changed[1, :5] = rng.integers(0, V, size=5)  # rewrite document 3
+    before = np.asarray(forward(model, jnp.asarray(tokens), jnp.asarray(seg), bias))
+    after = np.asarray(forward(model, jnp.asarray(changed), jnp.asarray(seg), bias))
+    np.testing.assert_array_equal(after[0, 7:13], before[0, 7:13])
+    np.testing.assert_array_equal(after[1, 5:], before[1, 5:])
+    assert np.abs(after[0, :7] - before[0, :7]).max() > 1e-4
+
+
+def batch_for(recipe, B, seed=0):
+    S, V = recipe.train.seq_len, recipe.model.vocab_size
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, V, size=(B, S + 1))
+    seg = np.ones((B, S), np.int32)
+    seg[0, S // 2 :] = 2
+    seg[-1, -3:] = 0  # padding
+    mask = (seg != 0).astype(np.float32)
+    mask[0, S // 2 - 1] = 0  # the last token of document 1 does not predict document 2
+    return {"tokens": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:]),
+            "segment_ids": jnp.asarray(seg), "loss_mask": jnp.asarray(mask)}  # fmt: skip
+
+
+def loss_and_grad(recipe):
+    loss = lambda model, batch, bias: model_loss(model, batch, bias, recipe)  # noqa: E731  (recipe: static)
+    return eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))
+
+
+def test_tiny_recipe_forward_and_backward_compile_and_run_with_finite_values(tiny_recipe, tiny_model):
+    recipe = replace(tiny_recipe, "moe", transport="dense")
+    L, E = recipe.model.num_layers, recipe.moe.num_experts
+    batch = batch_for(recipe, 2)
+    (loss, aux), grads = loss_and_grad(recipe)(tiny_model, batch, jnp.zeros((L, E)))
+    assert np.isfinite(float(loss))
+    assert abs(float(aux["ce"]) - np.log(recipe.model.vocab_size)) < 0.5  # near uniform at init
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree_util.tree_leaves(grads))
+    assert np.asarray(grads.blocks.attention.w_gate).any()  # gradients reach the zero-init gate
+    assert aux["beta"].shape == aux["expert_load"].shape == (L, E)
+    for name in ("assignments", "sender_drops", "receiver_drops", "router_z"):
+        assert aux[name].shape == (L,)
+    n_valid = int(np.sum(np.asarray(batch["segment_ids"]) != 0))
+    np.testing.assert_array_equal(np.asarray(aux["assignments"]), recipe.moe.top_k * n_valid)
+
+
+def test_remat_policies_give_the_same_loss_and_gradients(small_recipe):
+    batch = batch_for(small_recipe, 2, seed=3)
+    bias = jnp.zeros((2, small_recipe.moe.num_experts))
+    results = {}
+    for remat in ("none", "full", "save_dots"):
+        recipe = replace(small_recipe, "model", remat=remat)
+        model = init_model(recipe, KEY)
+        (loss, _), grads = loss_and_grad(recipe)(model, batch, bias)
+        results[remat] = (float(loss), jax.tree_util.tree_leaves(grads))
+    for remat in ("full", "save_dots"):
+        assert results[remat][0] == pytest.approx(results["none"][0], rel=1e-6)
+        for g, g_ref in zip(results[remat][1], results["none"][1], strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-4, atol=1e-7)
+
+
+def test_bfloat16_compute_tracks_float32_with_fp32_logits(small_recipe):
+    batch = batch_for(small_recipe, 2, seed=4)
+    bias = jnp.zeros((2, small_recipe.moe.num_experts))
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        model = init_model(replace(small_recipe, "model", compute_dtype=dtype), KEY)
+        logits, _ = eqx.filter_jit(model)(batch["tokens"], batch["segment_ids"], bias)
+        assert logits.dtype == jnp.float32
+        out[dtype] = np.asarray(logits)
+    assert np.abs(out["bfloat16"] - out["float32"]).max() < 0.05 * np.abs(out["float32"]).max()

@@ -1,0 +1,290 @@
+"""Transports (SPEC 4) on 8 simulated CPU devices, against plain-numpy oracles of the same rules."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec
+
+from marinctl.errors import UserError
+from marinctl.recipe import MoEConfig
+from marinctl.routing.transports import (
+    _ragged_all_to_all_emulated,
+    _Shard,
+    get_transport,
+    ragged_transport,
+)
+
+T, E, K, LATENT, WIDTH = 256, 16, 4, 16, 24
+AXES = ("replica", "data", "expert")
+MESHES = [(1, 2, 4), (1, 1, 8), (1, 8, 1), (2, 1, 4)]
+# Compile time dominates these tests; LLVM's optimizations are not what they check (halves their time).
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def mesh_of(shape):
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def problem(seed: int, skew: float = 0.0):
+    """Random latent rows, distinct top-K experts per token (probability ∝ exp(-skew·e)), ~20% padding."""
+    rng = np.random.default_rng(seed)
+    p = np.exp(-skew * np.arange(E))
+    p /= p.sum()
+    return {
+        "u": rng.normal(size=(T, LATENT)).astype(np.float32),
+        "expert_idx": np.stack([rng.choice(E, K, replace=False, p=p) for _ in range(T)]).astype(np.int32),
+        "combine": rng.uniform(0.1, 1.0, size=(T, K)).astype(np.float32),
+        "valid": rng.random(T) > 0.2,
+        "w_gate": (rng.normal(size=(E, LATENT, WIDTH)) / 4).astype(np.float32),
+        "w_up": (rng.normal(size=(E, LATENT, WIDTH)) / 4).astype(np.float32),
+        "w_down": (rng.normal(size=(E, WIDTH, LATENT)) / 4).astype(np.float32),
+    }
+
+
+def numpy_moe(x, keep):
+    """y[t] = Σ_k combine·SwiGLU_e(u[t]) over assignments with keep[t,k], in float64 loops."""
+    silu = lambda z: z / (1 + np.exp(-z))  # noqa: E731
+    y = np.zeros((T, LATENT))
+    for t in range(T):
+        for k in range(K):
+            if keep[t, k]:
+                e, u = x["expert_idx"][t, k], x["u"][t].astype(np.float64)
+                h = silu(u @ x["w_gate"][e]) * (u @ x["w_up"][e])
+                y[t] += x["combine"][t, k] * (h @ x["w_down"][e])
+    return y
+
+
+def run(name: str, x, moe: MoEConfig, mesh_shape=None, transport=None):
+    """Forward output, stats and gradients w.r.t. (u, combine, w_gate, w_up, w_down), jitted under the mesh."""
+    fn = transport or get_transport(name)
+    probe = jnp.sin(jnp.arange(LATENT, dtype=jnp.float32))
+
+    def loss(u, combine, w_gate, w_up, w_down):
+        y, stats = fn(u, x["expert_idx"], combine, x["valid"], w_gate, w_up, w_down, moe)
+        return jnp.sum(y * probe), (y, stats)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True), compiler_options=FAST_COMPILE)
+    args = (x["u"], x["combine"], x["w_gate"], x["w_up"], x["w_down"])
+    if mesh_shape is None:
+        (_, (y, stats)), grads = step(*args)
+    else:
+        with jax.set_mesh(mesh_of(mesh_shape)):
+            (_, (y, stats)), grads = step(*args)
+    return np.asarray(y), {k: np.asarray(v) for k, v in stats.items()}, [np.asarray(g) for g in grads]
+
+
+@pytest.fixture(scope="module")
+def uniform():
+    return problem(0)
+
+
+@pytest.fixture(scope="module")
+def dense_reference(uniform):
+    return run("dense", uniform, MoEConfig(num_experts=E, top_k=K))
+
+
+def test_dense_equals_numpy_loop_over_selected_experts(uniform, dense_reference):
+    y, stats, _ = dense_reference
+    keep = np.broadcast_to(uniform["valid"][:, None], (T, K))
+    np.testing.assert_allclose(y, numpy_moe(uniform, keep), atol=2e-5)
+    load = np.bincount(uniform["expert_idx"][uniform["valid"]].ravel(), minlength=E)
+    np.testing.assert_array_equal(stats["expert_load"], load)
+    assert stats["assignments"] == K * uniform["valid"].sum()
+    assert stats["sender_drops"] == stats["receiver_drops"] == 0
+    assert np.all(y[~uniform["valid"]] == 0)
+
+
+def test_dense_gradients_equal_a_naive_gather_implementation(uniform, dense_reference):
+    x = uniform
+
+    def naive(u, combine, w_gate, w_up, w_down):
+        y = 0.0
+        for k in range(K):
+            e = x["expert_idx"][:, k]
+            h = jax.nn.silu(jnp.einsum("tl,tli->ti", u, w_gate[e])) * jnp.einsum("tl,tli->ti", u, w_up[e])
+            y = y + (combine[:, k] * x["valid"])[:, None] * jnp.einsum("ti,til->tl", h, w_down[e])
+        return jnp.sum(y * jnp.sin(jnp.arange(LATENT, dtype=jnp.float32)))
+
+    grads = jax.grad(naive, argnums=(0, 1, 2, 3, 4))(x["u"], x["combine"], x["w_gate"], x["w_up"], x["w_down"])
+    for got, want in zip(dense_reference[2], grads, strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+@pytest.mark.parametrize("mesh_shape", [None, *MESHES], ids=lambda s: "no-mesh" if s is None else "x".join(map(str, s)))
+@pytest.mark.parametrize("name", ["fixed", "pooled", "ragged"])
+def test_transport_equals_dense_in_forward_and_gradients_when_nothing_drops(name, mesh_shape, uniform, dense_reference):
+    # cf = E: every cell, pool and buffer can hold a shard's every assignment, so nothing can drop.
+    moe = MoEConfig(num_experts=E, top_k=K, capacity_factor=float(E), waves=3)
+    y, stats, grads = run(name, uniform, moe, mesh_shape)
+    y_ref, stats_ref, grads_ref = dense_reference
+    np.testing.assert_allclose(y, y_ref, atol=1e-5)
+    for key in stats_ref:
+        np.testing.assert_array_equal(stats[key], stats_ref[key], err_msg=key)
+    for label, got, want in zip(("u", "combine", "w_gate", "w_up", "w_down"), grads, grads_ref, strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-5, err_msg=f"d/d{label}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Tight capacity: drop counts against an independent numpy transcription of SPEC 4's rules.
+
+
+def shard_blocks(mesh_shape):
+    """Token blocks per device in mesh order; the expert all-to-all runs within consecutive S blocks."""
+    n, S = math.prod(mesh_shape), mesh_shape[2]
+    block = T // n
+    return [(b // S, b % S, range(b * block, (b + 1) * block)) for b in range(n)], block, S
+
+
+def numpy_fixed_keep(x, cf, mesh_shape):
+    blocks, block, _ = shard_blocks(mesh_shape)
+    cap = max(1, math.ceil(cf * block * K / E))
+    keep = np.zeros((T, K), bool)
+    for _, _, tokens in blocks:
+        used = np.zeros(E, int)
+        for t in tokens:
+            for k in range(K):
+                e = x["expert_idx"][t, k]
+                if x["valid"][t]:
+                    keep[t, k] = used[e] < cap
+                    used[e] += 1
+    return keep
+
+
+def numpy_pooled_keep(x, cf, cf_t, waves, mesh_shape):
+    blocks, block, S = shard_blocks(mesh_shape)
+    e_loc, A = E // S, block * K
+    P = max(1, math.ceil(cf_t * A / (S * waves)))
+    R = max(1, math.ceil(cf * A / (e_loc * waves)))
+    keep = np.zeros((T, K), bool)
+    sender_drops = receiver_drops = 0
+    pools = {}  # (group, dest, wave) -> {source: [(pool_rank, t, k)]}
+    for group, source, tokens in blocks:
+        sent = np.zeros(S, int)
+        for t in tokens:
+            for k in range(K):
+                if not x["valid"][t]:
+                    continue
+                dest = x["expert_idx"][t, k] // e_loc
+                wave, pool_rank = sent[dest] % waves, sent[dest] // waves
+                sent[dest] += 1
+                if pool_rank >= P:
+                    sender_drops += 1
+                else:
+                    pools.setdefault((group, dest, wave), {}).setdefault(source, []).append((pool_rank, t, k))
+    for by_source in pools.values():
+        arrived = np.zeros(e_loc, int)
+        for source in sorted(by_source):
+            for _, t, k in sorted(by_source[source]):
+                local = x["expert_idx"][t, k] % e_loc
+                if arrived[local] < R:
+                    keep[t, k] = True
+                else:
+                    receiver_drops += 1
+                arrived[local] += 1
+    return keep, sender_drops, receiver_drops
+
+
+@pytest.fixture(scope="module")
+def skewed():
+    return problem(1, skew=0.35)
+
+
+def assert_dropped_rows_are_exactly_zero(x, y, keep):
+    nothing_kept = x["valid"] & ~keep.any(axis=1)
+    assert np.all(y[nothing_kept] == 0.0)
+    np.testing.assert_allclose(y, numpy_moe(x, keep), atol=2e-5)
+
+
+def test_fixed_drops_match_numpy_count_and_dropped_assignments_contribute_zero(skewed):
+    mesh_shape, cf = (1, 2, 4), 1.0
+    y, stats, _ = run("fixed", skewed, MoEConfig(num_experts=E, top_k=K, capacity_factor=cf), mesh_shape)
+    keep = numpy_fixed_keep(skewed, cf, mesh_shape)
+    expected = K * skewed["valid"].sum() - keep.sum()
+    assert expected > 0.1 * K * skewed["valid"].sum()  # the skew really overflows cells
+    assert stats["sender_drops"] == expected and stats["receiver_drops"] == 0
+    assert_dropped_rows_are_exactly_zero(skewed, y, keep)
+
+
+def test_pooled_sender_and_receiver_drops_match_numpy_count_and_contribute_zero(skewed):
+    mesh_shape, cf, cf_t, waves = (1, 2, 4), 1.0, 1.2, 3
+    moe = MoEConfig(num_experts=E, top_k=K, capacity_factor=cf, sender_capacity_factor=cf_t, waves=waves)
+    y, stats, _ = run("pooled", skewed, moe, mesh_shape)
+    keep, sender, receiver = numpy_pooled_keep(skewed, cf, cf_t, waves, mesh_shape)
+    assert sender > 0 and receiver > 0  # both rules are exercised
+    assert stats["sender_drops"] == sender and stats["receiver_drops"] == receiver
+    assert_dropped_rows_are_exactly_zero(skewed, y, keep)
+
+
+def test_ragged_reports_zero_drops_and_equals_dense_under_the_same_skew(skewed):
+    moe = MoEConfig(num_experts=E, top_k=K, capacity_factor=1.0)
+    y, stats, _ = run("ragged", skewed, moe, (1, 2, 4))
+    assert stats["sender_drops"] == 0 and stats["receiver_drops"] == 0
+    np.testing.assert_allclose(y, numpy_moe(skewed, np.broadcast_to(skewed["valid"][:, None], (T, K))), atol=2e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# The ragged exchange: the CPU emulation has the collective's documented semantics; the GPU path lowers.
+
+
+def test_emulated_ragged_all_to_all_reproduces_the_documented_example():
+    # The example in jax.lax.ragged_all_to_all's docstring, on an axis of size 2.
+    operand = np.array([[1, 2, 2], [3, 4, 0]], np.float32)
+    input_offsets = np.array([[0, 1], [0, 1]], np.int32)
+    send_sizes = np.array([[1, 2], [1, 1]], np.int32)
+    output_offsets = np.array([[0, 0], [1, 2]], np.int32)
+    recv_sizes = np.array([[1, 1], [2, 1]], np.int32)
+    mesh = jax.make_mesh((2,), ("expert",), axis_types=(AxisType.Auto,))
+    shard = _Shard("expert", 2, ("expert",))
+
+    def body(op, io, ss, oo, rs):
+        out = _ragged_all_to_all_emulated(
+            op[0], jnp.zeros(4, jnp.float32), io[0], ss[0], oo[0], rs[0], shard=shard, max_chunk=3
+        )
+        return out[None]
+
+    spec = PartitionSpec("expert")
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec), compiler_options=FAST_COMPILE)
+    result = f(operand, input_offsets, send_sizes, output_offsets, recv_sizes)
+    np.testing.assert_array_equal(result, [[1, 3, 0, 0], [2, 2, 4, 0]])
+
+
+def test_native_ragged_path_lowers_to_ragged_all_to_all_forward_and_backward():
+    """XLA:CPU cannot compile ragged_all_to_all, but tracing and lowering the GPU path catches typos."""
+    shapes = problem(2)
+    moe = MoEConfig(num_experts=E, top_k=K)
+    fn = ragged_transport(native=True)
+
+    def loss(u, w_gate):
+        y, _ = fn(
+            u, shapes["expert_idx"], shapes["combine"], shapes["valid"], w_gate, shapes["w_up"], shapes["w_down"], moe
+        )
+        return jnp.sum(y)
+
+    with jax.set_mesh(mesh_of((1, 2, 4))):
+        text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).trace(shapes["u"], shapes["w_gate"]).lower().as_text()
+    assert text.count("ragged_all_to_all") == 4  # two exchanges forward, their transposes backward
+
+
+def test_get_transport_names_every_transport_and_rejects_others():
+    for name in ("dense", "fixed", "pooled", "ragged"):
+        assert callable(get_transport(name))
+    with pytest.raises(ValueError, match=r"unknown moe\.transport"):
+        get_transport("carrier-pigeon")
+
+
+def test_tokens_that_do_not_split_over_the_mesh_are_a_user_error(uniform):
+    x = {k: v[:100] if v.shape[0] == T else v for k, v in uniform.items()}
+    with jax.set_mesh(mesh_of((1, 2, 4))), pytest.raises(UserError, match="do not split over 8 devices"):
+        get_transport("fixed")(
+            x["u"],
+            x["expert_idx"],
+            x["combine"],
+            x["valid"],
+            x["w_gate"],
+            x["w_up"],
+            x["w_down"],
+            MoEConfig(num_experts=E, top_k=K),
+        )
