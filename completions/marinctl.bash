@@ -4,11 +4,14 @@ _marinctl() {
     cur="${COMP_WORDS[COMP_CWORD]}"
     cmd="${COMP_WORDS[1]}"
     if [[ $COMP_CWORD -eq 1 ]]; then
-        COMPREPLY=($(compgen -W "plan --install-completion --show-completion --version" -- "$cur"))
+        COMPREPLY=($(compgen -W "plan plot tokenize train --install-completion --show-completion --version" -- "$cur"))
         return
     fi
     case "$cmd" in
         plan) opts="--devices --json --quiet --set --verbose -q -v --help" ;;
+        plot) opts="--json --quiet -q --help" ;;
+        tokenize) opts="--commit-tokens --invalid-utf8 --json --out --overwrite --quiet --skip-bad-files --text-field --tokenizer --train-tokenizer --verbose -o -q -v --help" ;;
+        train) opts="--coordinator --devices --dry-run --json --num-processes --process-id --quiet --run-dir --set --verbose -q -v --help" ;;
         *) opts="" ;;
     esac
     if [[ "$cur" == -* ]]; then

@@ -9,3 +9,38 @@ complete -c marinctl -n '__fish_seen_subcommand_from plan' -l verbose
 complete -c marinctl -n '__fish_seen_subcommand_from plan' -s q
 complete -c marinctl -n '__fish_seen_subcommand_from plan' -s v
 complete -c marinctl -n '__fish_seen_subcommand_from plan' -l help
+complete -c marinctl -f -n '__fish_use_subcommand' -a plot -d 'Plot a runs metrics (loss, eval, drops, norms) as PNGs.'
+complete -c marinctl -n '__fish_seen_subcommand_from plot' -l json
+complete -c marinctl -n '__fish_seen_subcommand_from plot' -l quiet
+complete -c marinctl -n '__fish_seen_subcommand_from plot' -s q
+complete -c marinctl -n '__fish_seen_subcommand_from plot' -l help
+complete -c marinctl -f -n '__fish_use_subcommand' -a tokenize -d 'Tokenize text files/folders, JSONL (.jsonl, .jsonl.gz, .jsonl.zst) and...'
+complete -c marinctl -n '__fish_seen_subcommand_from tokenize' -l commit-tokens
+complete -c marinctl -n '__fish_seen_subcommand_from tokenize' -l invalid-utf8
+complete -c marinctl -n '__fish_seen_subcommand_from tokenize' -l json
+complete -c marinctl -n '__fish_seen_subcommand_from tokenize' -l out
+complete -c marinctl -n '__fish_seen_subcommand_from tokenize' -l overwrite
+complete -c marinctl -n '__fish_seen_subcommand_from tokenize' -l quiet
+complete -c marinctl -n '__fish_seen_subcommand_from tokenize' -l skip-bad-files
+complete -c marinctl -n '__fish_seen_subcommand_from tokenize' -l text-field
+complete -c marinctl -n '__fish_seen_subcommand_from tokenize' -l tokenizer
+complete -c marinctl -n '__fish_seen_subcommand_from tokenize' -l train-tokenizer
+complete -c marinctl -n '__fish_seen_subcommand_from tokenize' -l verbose
+complete -c marinctl -n '__fish_seen_subcommand_from tokenize' -s o
+complete -c marinctl -n '__fish_seen_subcommand_from tokenize' -s q
+complete -c marinctl -n '__fish_seen_subcommand_from tokenize' -s v
+complete -c marinctl -n '__fish_seen_subcommand_from tokenize' -l help
+complete -c marinctl -f -n '__fish_use_subcommand' -a train -d 'Train a recipe end to end (resumable; exit 3 = preempted, re-run).'
+complete -c marinctl -n '__fish_seen_subcommand_from train' -l coordinator
+complete -c marinctl -n '__fish_seen_subcommand_from train' -l devices
+complete -c marinctl -n '__fish_seen_subcommand_from train' -l dry-run
+complete -c marinctl -n '__fish_seen_subcommand_from train' -l json
+complete -c marinctl -n '__fish_seen_subcommand_from train' -l num-processes
+complete -c marinctl -n '__fish_seen_subcommand_from train' -l process-id
+complete -c marinctl -n '__fish_seen_subcommand_from train' -l quiet
+complete -c marinctl -n '__fish_seen_subcommand_from train' -l run-dir
+complete -c marinctl -n '__fish_seen_subcommand_from train' -l set
+complete -c marinctl -n '__fish_seen_subcommand_from train' -l verbose
+complete -c marinctl -n '__fish_seen_subcommand_from train' -s q
+complete -c marinctl -n '__fish_seen_subcommand_from train' -s v
+complete -c marinctl -n '__fish_seen_subcommand_from train' -l help

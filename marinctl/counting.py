@@ -123,7 +123,7 @@ class Capacity:
     pooled_sender: int  # P, rows per destination per wave
     pooled_receiver: int  # R, rows per local expert per wave
     waves: int
-    ragged_worst_case: int  # rows per (sender, expert) the CPU dropless exchange provisions
+    ragged_receiver: int  # rows of the ragged receive buffer per shard (worst case unless bounded)
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -137,6 +137,12 @@ def capacity(recipe: Recipe, tokens_per_shard: int, expert_shards: int) -> Capac
     cf_t = moe.sender_capacity_factor if moe.sender_capacity_factor is not None else cf
     A = T * K
     E_loc = E // S
+    # Ragged worst case: every token of all S senders picks min(K, E_loc) of this shard's experts, so
+    # nothing can drop. At hero scale that is ~25M rows per GPU; `moe.ragged_buffer_factor` = f bounds
+    # it at ceil(f*T*K) (QB keeps the expected arrival at T*K) and overflow counts as receiver drops.
+    ragged = S * T * min(K, E_loc)
+    if moe.ragged_buffer_factor is not None:
+        ragged = min(ragged, max(1, math.ceil(moe.ragged_buffer_factor * A)))
     return Capacity(
         tokens_per_shard=T,
         expert_shards=S,
@@ -146,7 +152,7 @@ def capacity(recipe: Recipe, tokens_per_shard: int, expert_shards: int) -> Capac
         pooled_sender=max(1, math.ceil(cf_t * A / (S * W))),
         pooled_receiver=max(1, math.ceil(cf * A / (E_loc * W))),
         waves=W,
-        ragged_worst_case=T,  # a token sends an expert at most one row
+        ragged_receiver=ragged,
     )
 
 
@@ -200,6 +206,8 @@ def memory_estimate(recipe: Recipe, mesh: dict[str, int]) -> MemoryEstimate:
     elif moe.transport == "pooled":
         sender = cap.expert_shards * cap.pooled_sender * cap.waves
         rows = sender + cap.experts_per_shard * cap.pooled_receiver * cap.waves
+    elif moe.transport == "ragged":
+        rows = cap.assignments + cap.ragged_receiver
     else:
         rows = cap.assignments
     moe_buffers = 2 * rows * width * act_bytes

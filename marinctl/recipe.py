@@ -84,6 +84,9 @@ class MoEConfig:
     capacity_factor: float = _f(1.15, min=0.0, doc="cf for fixed cells / pooled receiver buffers")
     sender_capacity_factor: float | None = _f(None, min=0.0, doc="cf_t for pooled sender pools (default: cf)")
     waves: int = _f(3, min=1, doc="W, pooled waves")
+    ragged_buffer_factor: float | None = _f(
+        None, min=0.0, doc="ragged receive buffer in units of T*K rows (default: worst case, never drops)"
+    )
     balancing: Literal["quantile", "none"] = _f("quantile", doc="router bias from quantile balancing")
     qb_estimator: Literal["histogram", "exact"] = _f("histogram", doc="live-range histogram or exact sort")
     qb_bins: int = _f(10000, min=2, doc="histogram bins")

@@ -124,6 +124,7 @@ def render(summary: dict[str, Any]) -> list[Table]:
     par.add_row("fixed all-to-all cell capacity", f"{cap['fixed_cell']:,}")
     par.add_row(f"pooled sender pool P ({cap['waves']} waves)", f"{cap['pooled_sender']:,}")
     par.add_row("pooled receiver buffer R", f"{cap['pooled_receiver']:,}")
+    par.add_row("ragged receive buffer", f"{cap['ragged_receiver']:,}")
     mem = summary["memory_per_device"]
     for key in ("params", "optimizer", "gradients", "activations", "moe_buffers", "total"):
         par.add_row(f"memory: {key.replace('_', ' ')}", f"{mem[key] / GiB:,.2f} GiB")

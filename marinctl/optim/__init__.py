@@ -1,8 +1,8 @@
 """Hyperball optimizer: MuonH / AdamH / Adam groups (SPEC 5)."""
 
 from marinctl.optim.build import build_optimizer, optimizer_state_shardings
-from marinctl.optim.groups import group_of, group_sizes, param_group_labels
-from marinctl.optim.hyperball import frobenius_norm, hyperball
+from marinctl.optim.groups import group_of, group_sizes, hyperball_norms, param_group_labels
+from marinctl.optim.hyperball import frobenius_norm, hyperball, initial_norms
 from marinctl.optim.muon import NS_COEFFICIENTS, newton_schulz, scale_by_muon
 from marinctl.optim.schedule import lr_schedule
 
@@ -13,6 +13,8 @@ __all__ = [
     "group_of",
     "group_sizes",
     "hyperball",
+    "hyperball_norms",
+    "initial_norms",
     "lr_schedule",
     "newton_schulz",
     "optimizer_state_shardings",

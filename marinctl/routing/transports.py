@@ -7,8 +7,19 @@ Every transport has the same signature (the "grug" template: plain functions cho
 
 with `y[t] = Σ_k combine[t,k] · SwiGLU_{expert_idx[t,k]}(u[t])` over the assignments the transport kept
 (dropped ones contribute exactly 0; padding tokens contribute 0 and are not counted), and
-`stats = {expert_load [E], assignments, sender_drops, receiver_drops}` as global sums. Arrays are
-global-view: the model calls these under jit.
+`stats = {expert_load [E], assignments, sender_drops, receiver_drops}` as global sums (expert_load is
+counted before drops). Arrays are global-view: the model calls these under jit.
+
+- `dense`: the dropless reference, every token through every expert; no mesh needed.
+- `fixed`: fixed-capacity cells per (sender, expert), one all_to_all each way (token dropping).
+- `pooled`: pooled waves, sender pools per destination and receiver buffers per expert (the hero's
+  transport before the switch); sender and receiver drops are counted separately.
+- `ragged`: dropless; `jax.lax.ragged_all_to_all` + `jax.lax.ragged_dot` on GPU/TPU, an emulated
+  exchange with identical results on CPU.
+The last three run per shard inside `jax.shard_map` over the context mesh (`jax.set_mesh`): tokens are
+sharded over every mesh axis, expert weights' E dim over `expert`, and rows cross the `expert` axis at
+latent width. Without a mesh they run the same algorithm as one shard. Routing metrics derived from the
+stats (entropy, max/mean load, drop fraction) are in `marinctl.routing.quantile_balance`.
 """
 
 # ruff: noqa: F722 (jaxtyping shape strings are not Python expressions)
@@ -16,6 +27,7 @@ global-view: the model calls these under jit.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -100,6 +112,8 @@ def _expert_parallel(body: Body) -> Transport:
 
     @functools.wraps(body)
     def transport(u, expert_idx, combine, valid, w_gate, w_up, w_down, moe: MoEConfig):
+        if moe.num_experts != w_gate.shape[0]:  # capacities are sized from the config
+            raise ValueError(f"moe.num_experts={moe.num_experts} but the expert weights hold {w_gate.shape[0]}")
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty:  # no mesh: one shard, no collectives (a 1-device mesh still runs the real ones)
             return body(u, expert_idx, combine, valid, w_gate, w_up, w_down, moe=moe, shard=_Shard(None, 1, ()))
@@ -240,10 +254,10 @@ def pooled(u, expert_idx, combine, valid, w_gate, w_up, w_down, *, moe: MoEConfi
         arrived = local < e_loc
         accept = arrived & (arrival < R_)
         receiver_drops += jnp.sum(arrived & ~accept)
-        where = jnp.where(accept, local * R_ + arrival, e_loc * R_)
-        buffer = jnp.zeros((e_loc * R_, width), u.dtype).at[where].add(rows, mode="drop")
+        cell = jnp.where(accept, local * R_ + arrival, e_loc * R_)
+        buffer = jnp.zeros((e_loc * R_, width), u.dtype).at[cell].add(rows, mode="drop")
         out = _local_experts(buffer.reshape(e_loc, R_, width), w_gate, w_up, w_down).reshape(e_loc * R_, width)
-        out = jnp.where(accept[:, None], out[jnp.minimum(where, e_loc * R_ - 1)], 0)  # receiver drops -> 0
+        out = jnp.where(accept[:, None], out[jnp.minimum(cell, e_loc * R_ - 1)], 0)  # receiver drops -> 0
         back.append(shard.all_to_all(out.reshape(S, P_, width)))
     back = jnp.stack(back).reshape(W * S * P_, width)
     y = _combine(back[jnp.minimum(slot, W * S * P_ - 1)], combine, keep)
@@ -283,35 +297,49 @@ def _exclusive_cumsum(x, axis: int = 0):
     return jnp.cumsum(x, axis=axis) - x
 
 
+def ragged_buffer_rows(moe: MoEConfig, tokens_per_shard: int, expert_shards: int) -> int:
+    """Rows of the ragged transport's receive buffer per shard (`counting.capacity`'s formula)."""
+    return _capacity(moe, tokens_per_shard, expert_shards).ragged_receiver
+
+
 def _ragged_body(u, expert_idx, combine, valid, w_gate, w_up, w_down, *, moe: MoEConfig, shard: _Shard, native: bool):
     """Sort by expert, all-gather counts [S, E], exchange exactly the rows each expert needs, grouped
     matmuls (`ragged_dot`), exchange back. Every offset comes from the gathered counts, so both
-    directions and the receiver's regrouping agree without further communication."""
+    directions and the receiver's regrouping agree without further communication.
+
+    A receiver's buffer fills in source order, each source's slice in expert order; with a bounded
+    buffer the rows past its end are not sent (the sender knows the layout from the counts) and count
+    as receiver drops. With the default worst-case buffer that never happens.
+    """
     n_tokens, width = u.shape
     e_loc, S = w_gate.shape[0], shard.expert_size
     n_experts, top_k = e_loc * S, expert_idx.shape[1]
     expert, token, valid_a = _flat_assignments(expert_idx, valid)
     n_assign = expert.shape[0]
-    order = jnp.argsort(jnp.where(valid_a, expert, n_experts), stable=True)  # padding sorts last, unsent
+    sort_key = jnp.where(valid_a, expert, n_experts)  # padding sorts last and is never sent
+    order = jnp.argsort(sort_key, stable=True)
     rows = u[token[order]]
-    counts = jnp.bincount(jnp.where(valid_a, expert, n_experts), length=n_experts + 1)[:n_experts]
+    counts = jnp.bincount(sort_key, length=n_experts + 1)[:n_experts]
     gathered = shard.all_gather(counts.astype(jnp.int32))  # [source, expert]
     me = shard.index()
-    flow = gathered.reshape(S, S, e_loc).sum(axis=2)  # flow[s, d]: rows source s sends to shard d
-    send_sizes, recv_sizes = flow[me], flow[:, me]
-    input_offsets = _exclusive_cumsum(send_sizes)  # my slice for d, in my expert-sorted rows
-    output_offsets = _exclusive_cumsum(flow, axis=0)[me]  # where my slice lands on d: after sources < me
-    recv_offsets = _exclusive_cumsum(recv_sizes)  # where source s's slice sits in my buffer
+    buffer_rows = ragged_buffer_rows(moe, n_tokens, S)
+    flow = gathered.reshape(S, S, e_loc).sum(axis=2)  # flow[s, d]: rows source s has for shard d
+    landing = _exclusive_cumsum(flow, axis=0)  # where s's slice starts in d's buffer (after sources < s)
+    sent = jnp.clip(buffer_rows - landing, 0, flow)  # what fits in d's buffer
+    landing = jnp.minimum(landing, buffer_rows)
+    input_offsets = _exclusive_cumsum(flow[me])  # my slice for d, in my expert-sorted rows
+    send_sizes, recv_sizes = sent[me], sent[:, me]
+    output_offsets, recv_offsets = landing[me], landing[:, me]
     source_offsets = _exclusive_cumsum(flow, axis=1)[:, me]  # where source s keeps its slice for me
-    # A slice carries at most one row per (token, expert) pair; a shard receives at most S such slices.
-    max_chunk = n_tokens * min(top_k, e_loc)
-    buffer_rows = S * max_chunk
+    # A slice carries at most one row per (token, expert) pair, and never more than the buffer.
+    max_chunk = min(n_tokens * min(top_k, e_loc), buffer_rows)
     exchange = _ragged_exchange(native, shard, max_chunk)
     received = exchange(
         rows, jnp.zeros((buffer_rows, width), u.dtype), input_offsets, send_sizes, output_offsets, recv_sizes
     )
     # The buffer holds (source, local expert) groups in that order; regroup by local expert for ragged_dot.
     mine = jax.lax.dynamic_slice_in_dim(gathered, me * e_loc, e_loc, axis=1)  # [source, local expert]
+    mine = jnp.clip(recv_sizes[:, None] - _exclusive_cumsum(mine, axis=1), 0, mine)  # a cut slice loses its tail
     group_ends = jnp.cumsum(mine.reshape(-1))
     group = jnp.searchsorted(group_ends, jnp.arange(buffer_rows, dtype=jnp.int32), side="right")
     local = jnp.where(group < S * e_loc, group % e_loc, e_loc)  # e_loc: unused tail of the buffer
@@ -321,14 +349,19 @@ def _ragged_body(u, expert_idx, combine, valid, w_gate, w_up, w_down, *, moe: Mo
     hidden = jax.nn.silu(jax.lax.ragged_dot(x, w_gate, group_sizes)) * jax.lax.ragged_dot(x, w_up, group_sizes)
     out = jnp.zeros_like(received).at[by_expert].set(jax.lax.ragged_dot(hidden, w_down, group_sizes))
     back = exchange(out, jnp.zeros((n_assign, width), u.dtype), recv_offsets, recv_sizes, source_offsets, send_sizes)
-    y_assign = jnp.zeros_like(back).at[order].set(back)
-    y = _combine(y_assign, combine, valid_a)
-    return y, _stats(shard, expert, valid_a, n_experts, 0, 0)
+    # Which of my sorted rows went out: position within its destination's slice < what fit there.
+    dest = jnp.minimum(sort_key[order] // e_loc, S - 1)
+    fits = jnp.arange(n_assign) - input_offsets[dest] < send_sizes[dest]
+    keep = jnp.zeros_like(valid_a).at[order].set(valid_a[order] & fits)
+    y = _combine(jnp.zeros_like(back).at[order].set(back), combine, keep)
+    receiver_drops = jnp.sum(flow[me] - send_sizes)
+    return y, _stats(shard, expert, valid_a, n_experts, 0, receiver_drops)
 
 
 def ragged_transport(native: bool | None = None) -> Transport:
-    """The dropless transport. `native=None` picks by backend: `jax.lax.ragged_all_to_all` on GPU/TPU,
-    the emulated exchange (identical results) on CPU, whose XLA rejects the ragged collective."""
+    """The dropless transport (unless `moe.ragged_buffer_factor` bounds its buffer). `native=None` picks
+    by backend: `jax.lax.ragged_all_to_all` on GPU/TPU, the emulated exchange (identical results) on
+    CPU, whose XLA rejects the ragged collective. The bench forces either to compare them."""
 
     def ragged(u, expert_idx, combine, valid, w_gate, w_up, w_down, *, moe: MoEConfig, shard: _Shard):
         use_native = jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") if native is None else native

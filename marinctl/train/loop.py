@@ -109,12 +109,19 @@ class Preemption:
 
 
 def configure_jax() -> None:
-    """A persistent compilation cache (re-runs and resumes skip XLA compilation) unless the user chose one."""
+    """A persistent compilation cache, so re-runs and resumes skip XLA compilation: JAX_COMPILATION_CACHE_DIR
+    when set, else an already configured one, else ~/.cache/marinctl/xla."""
     import jax
+    from jax.experimental.compilation_cache import compilation_cache
 
-    if not os.environ.get("JAX_COMPILATION_CACHE_DIR") and not jax.config.jax_compilation_cache_dir:
-        cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "marinctl" / "xla"
-        jax.config.update("jax_compilation_cache_dir", str(cache))
+    wanted = (
+        os.environ.get("JAX_COMPILATION_CACHE_DIR")
+        or jax.config.jax_compilation_cache_dir
+        or str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "marinctl" / "xla")
+    )
+    if wanted != jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", wanted)
+        compilation_cache.reset_cache()  # the cache is set up once per process; make it see the new dir
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 

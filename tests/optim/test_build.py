@@ -10,6 +10,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from marinctl.counting import optimizer_state_elems
 from marinctl.hparams import hyperparams, lr_multiplier
 from marinctl.optim import build_optimizer, optimizer_state_shardings
 from marinctl.optim.groups import norm_axes
@@ -87,19 +88,31 @@ def numpy_optimizer(recipe, params, grads) -> dict[str, np.ndarray]:
 
 def run(optimizer, params, grads):
     state = optimizer.init(params)
-    step = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*optimizer.update(g, s, p)))
+
+    @jax.jit
+    def step(p, s, g):
+        updates, s = optimizer.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
     for g in grads:
         params, state = step(params, state, g)
     return params, state
 
 
-def test_three_steps_of_every_group_equal_a_numpy_implementation(recipe, params, grads):
+@pytest.fixture(scope="module")
+def three_steps(recipe, params, grads):
+    """(optimizer, parameters, state) after three steps on one device: one compile for the tests below."""
+    optimizer = build_optimizer(recipe, params)
+    return optimizer, *run(optimizer, params, grads)
+
+
+def test_three_steps_of_every_group_equal_a_numpy_implementation(recipe, params, grads, three_steps):
+    _, trained, _ = three_steps
     assert hyperparams(recipe).warmup_steps == 1  # step 0 at LR 0, then the decay: both parts exercised
-    got, _ = run(build_optimizer(recipe, params), params, grads)
     expected = numpy_optimizer(recipe, params, grads)
     for k in params:
-        np.testing.assert_allclose(np.asarray(got[k]), expected[k], atol=1e-5, rtol=1e-4, err_msg=k)
-        assert not np.allclose(np.asarray(got[k]), np.asarray(params[k]), atol=1e-7), f"{k} did not move"
+        np.testing.assert_allclose(np.asarray(trained[k]), expected[k], atol=1e-5, rtol=1e-4, err_msg=k)
+        assert not np.allclose(np.asarray(trained[k]), np.asarray(params[k]), atol=1e-7), f"{k} did not move"
 
 
 def test_weight_decay_touches_only_the_attention_gate_and_router(recipe, params):
@@ -115,6 +128,20 @@ def test_weight_decay_touches_only_the_attention_gate_and_router(recipe, params)
             np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(params[k]))
 
 
+def test_grad_clip_rescales_gradients_by_their_global_norm_before_every_group(recipe, params, grads):
+    subset = {k: params[k] for k in ("blocks.moe.router", "lm_head.weight", "blocks.attention.w_o")}
+    g = [{k: x[k] for k in subset} for x in grads[:2]]
+    g[1] = jax.tree.map(lambda x: 1e3 * x, g[1])  # one step far above the clip, one below
+    clipped = recipe.replace(optimizer=dataclasses.replace(recipe.optimizer, grad_clip=1000.0))
+    got, _ = run(build_optimizer(clipped, subset), subset, g)
+    norms = [float(np.sqrt(sum(np.sum(np.float64(x) ** 2) for x in step.values()))) for step in g]
+    assert norms[0] < 1000.0 < norms[1]
+    pre_clipped = [jax.tree.map(lambda x, n=n: x * min(1.0, 1000.0 / n), step) for step, n in zip(g, norms, strict=True)]
+    expected, _ = run(build_optimizer(recipe, subset), subset, pre_clipped)
+    for k in subset:
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(expected[k]), rtol=1e-5, atol=1e-7, err_msg=k)
+
+
 def test_a_leaf_that_disagrees_with_the_table_is_refused(recipe, params):
     with pytest.raises(ValueError, match=r"lm_head\.weight has shape"):
         build_optimizer(recipe, {**params, "lm_head.weight": jnp.zeros((3, 3))})
@@ -122,14 +149,31 @@ def test_a_leaf_that_disagrees_with_the_table_is_refused(recipe, params):
         build_optimizer(recipe, {**params, "blocks.attention.w_extra": jnp.zeros((3, 3))})
 
 
-def test_state_shards_like_the_params_and_a_sharded_step_equals_the_single_device_one(recipe, params, grads):
+# One leaf of each kind: expert stack (EP + FSDP over data), shared stack and layer-stacked matrix (FSDP over
+# data x expert), the AdamH lm_head, Adam leaves. Leaves update independently, so a subset suffices.
+SHARDED = (
+    "blocks.moe.experts.w_gate",
+    "blocks.moe.shared.w_down",
+    "blocks.attention.w_q",
+    "lm_head.weight",
+    "embed.weight",
+    "blocks.moe.router",
+)
+
+
+def test_state_shards_like_the_params_and_a_sharded_step_equals_the_single_device_one(
+    recipe, params, grads, three_steps
+):
+    _, trained, _ = three_steps
     mesh = jax.make_mesh((1, 4, 2), ("replica", "data", "expert"), axis_types=(AxisType.Auto,) * 3)  # as routing
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
     table = param_table(recipe)
-    shardings = {k: NamedSharding(mesh, PartitionSpec(*partition_spec(table[k], sizes))) for k in params}
-    assert shardings["blocks.moe.experts.w_gate"].spec[1] == "expert"  # the test exercises EP and FSDP
-    optimizer = build_optimizer(recipe, params)
-    state_shardings = optimizer_state_shardings(optimizer, params, shardings)
+    shardings = {k: NamedSharding(mesh, PartitionSpec(*partition_spec(table[k], sizes))) for k in SHARDED}
+    assert shardings["blocks.moe.experts.w_gate"].spec[:2] == (None, "expert")
+    assert ("data", "expert") in shardings["blocks.attention.w_q"].spec
+    subset = {k: params[k] for k in SHARDED}
+    optimizer = build_optimizer(recipe, subset)
+    state_shardings = optimizer_state_shardings(optimizer, subset, shardings)
 
     flat = {path_str(p): s for p, s in jax.tree_util.tree_flatten_with_path(state_shardings)[0]}
     momentum = [k for k in flat if k.endswith(".momentum.blocks.moe.experts.w_gate")]
@@ -139,8 +183,8 @@ def test_state_shards_like_the_params_and_a_sharded_step_equals_the_single_devic
     norms = [k for k in flat if k.endswith(".initial_norm.blocks.attention.w_q")]
     assert len(norms) == 1 and flat[norms[0]].spec == PartitionSpec()
 
-    sharded_params = jax.device_put(params, shardings)
-    state = jax.jit(optimizer.init, out_shardings=state_shardings)(sharded_params)
+    sharded = jax.device_put(subset, shardings)
+    state = jax.jit(optimizer.init, out_shardings=state_shardings)(sharded)
 
     @jax.jit
     def step(p, s, g):
@@ -148,18 +192,16 @@ def test_state_shards_like_the_params_and_a_sharded_step_equals_the_single_devic
         return optax.apply_updates(p, updates), s
 
     for g in grads:
-        sharded_params, state = step(sharded_params, state, jax.device_put(g, shardings))
+        sharded, state = step(sharded, state, jax.device_put({k: g[k] for k in SHARDED}, shardings))
     for leaf, expected in zip(jax.tree.leaves(state), jax.tree.leaves(state_shardings), strict=True):
         assert leaf.sharding.is_equivalent_to(expected, leaf.ndim)
-    single, _ = run(optimizer, params, grads)
-    for k in params:
-        assert sharded_params[k].sharding == shardings[k]
-        np.testing.assert_allclose(np.asarray(sharded_params[k]), np.asarray(single[k]), atol=2e-6, err_msg=k)
+    for k in SHARDED:
+        assert sharded[k].sharding.is_equivalent_to(shardings[k], sharded[k].ndim)
+        np.testing.assert_allclose(np.asarray(sharded[k]), np.asarray(trained[k]), atol=2e-6, err_msg=k)
 
 
-def test_state_is_arrays_with_unique_paths_and_round_trips_through_orbax(recipe, params, grads, tmp_path):
-    optimizer = build_optimizer(recipe, params)
-    _, state = run(optimizer, params, grads[:1])
+def test_state_is_arrays_with_unique_paths_and_round_trips_through_orbax(params, three_steps, tmp_path):
+    optimizer, _, state = three_steps
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
     assert all(isinstance(leaf, jax.Array) for _, leaf in leaves)
     keys = [path_str(p) for p, _ in leaves]
@@ -171,3 +213,15 @@ def test_state_is_arrays_with_unique_paths_and_round_trips_through_orbax(recipe,
     assert jax.tree.structure(restored) == jax.tree.structure(state)
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_hero_state_holds_exactly_the_fp32_slots_the_planner_counts(hero_recipe):
+    table = param_table(hero_recipe)
+    params = {k: jax.ShapeDtypeStruct(spec.shape, jnp.float32) for k, spec in table.items()}
+    state = jax.eval_shape(build_optimizer(hero_recipe, params).init, params)  # shapes only: 535B is not allocated
+    shapes = {spec.shape for spec in table.values()}
+    slots = [leaf for leaf in jax.tree.leaves(state) if leaf.shape in shapes]
+    assert all(leaf.dtype == jnp.float32 for leaf in slots)
+    assert sum(leaf.size for leaf in slots) == sum(optimizer_state_elems(spec) * spec.size for spec in table.values())
+    rest = [leaf for leaf in jax.tree.leaves(state) if leaf.shape not in shapes]  # step counts, hyperball norms
+    assert all(leaf.size <= hero_recipe.model.num_layers * hero_recipe.moe.shared_experts for leaf in rest)

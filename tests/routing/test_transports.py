@@ -1,5 +1,6 @@
 """Transports (SPEC 4) on 8 simulated CPU devices, against plain-numpy oracles of the same rules."""
 
+import dataclasses
 import math
 
 import jax
@@ -11,9 +12,11 @@ from jax.sharding import AxisType, PartitionSpec
 from marinctl.errors import UserError
 from marinctl.recipe import MoEConfig
 from marinctl.routing.transports import (
+    _capacity,
     _ragged_all_to_all_emulated,
     _Shard,
     get_transport,
+    ragged_buffer_rows,
     ragged_transport,
 )
 
@@ -225,6 +228,33 @@ def test_ragged_reports_zero_drops_and_equals_dense_under_the_same_skew(skewed):
     np.testing.assert_allclose(y, numpy_moe(skewed, np.broadcast_to(skewed["valid"][:, None], (T, K))), atol=2e-5)
 
 
+def numpy_ragged_keep(x, buffer_rows, mesh_shape):
+    """A receiver's buffer fills in source order, each source's rows in (expert, token) order."""
+    blocks, _, S = shard_blocks(mesh_shape)
+    e_loc = E // S
+    keep = np.zeros((T, K), bool)
+    arrivals = {}  # (group, dest) -> rows in arrival order
+    for group, _, tokens in blocks:  # blocks come in source order within a group
+        rows = [(x["expert_idx"][t, k], t, k) for t in tokens for k in range(K) if x["valid"][t]]
+        for e, t, k in sorted(rows):
+            arrivals.setdefault((group, e // e_loc), []).append((t, k))
+    for rows in arrivals.values():
+        for t, k in rows[:buffer_rows]:
+            keep[t, k] = True
+    return keep
+
+
+def test_bounded_ragged_buffer_drops_exactly_the_overflow_rows(skewed):
+    mesh_shape, factor = (1, 2, 4), 1.0
+    moe = MoEConfig(num_experts=E, top_k=K, ragged_buffer_factor=factor)
+    y, stats, _ = run("ragged", skewed, moe, mesh_shape)
+    keep = numpy_ragged_keep(skewed, math.ceil(factor * (T // 8) * K), mesh_shape)
+    expected = K * skewed["valid"].sum() - keep.sum()
+    assert expected > 0
+    assert stats["receiver_drops"] == expected and stats["sender_drops"] == 0
+    assert_dropped_rows_are_exactly_zero(skewed, y, keep)
+
+
 # --------------------------------------------------------------------------------------------------
 # The ragged exchange: the CPU emulation has the collective's documented semantics; the GPU path lowers.
 
@@ -287,4 +317,30 @@ def test_tokens_that_do_not_split_over_the_mesh_are_a_user_error(uniform):
             x["w_up"],
             x["w_down"],
             MoEConfig(num_experts=E, top_k=K),
+        )
+
+
+def test_hero_buffers_come_from_the_shared_capacity_formula(hero_recipe):
+    """SPEC 4's hero figures (T = 65,536, S = 64): P = 3,141 and R = 33,497; the ragged worst case is
+    S·T·min(K, E_loc) rows, which a bounded `ragged_buffer_factor` caps at f·T·K."""
+    moe = hero_recipe.moe
+    cap = _capacity(moe, 65536, 64)
+    assert (cap.pooled_sender, cap.pooled_receiver, cap.waves) == (3141, 33497, 3)
+    assert ragged_buffer_rows(moe, 65536, 64) == 64 * 65536 * 6
+    bounded = dataclasses.replace(moe, ragged_buffer_factor=1.5)
+    assert ragged_buffer_rows(bounded, 65536, 64) == math.ceil(1.5 * 65536 * 8)
+
+
+def test_a_config_that_disagrees_with_the_expert_weights_is_rejected(uniform):
+    x = uniform
+    with pytest.raises(ValueError, match="num_experts=8"):
+        get_transport("pooled")(
+            x["u"],
+            x["expert_idx"],
+            x["combine"],
+            x["valid"],
+            x["w_gate"],
+            x["w_up"],
+            x["w_down"],
+            MoEConfig(num_experts=8, top_k=K),
         )
