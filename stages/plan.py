@@ -15,7 +15,8 @@ from rich.table import Table
 from marinctl.counting import capacity, count_params, flops_per_token, memory_estimate
 from marinctl.errors import UserError
 from marinctl.hparams import hyperparams
-from marinctl.params import param_table, recipe_device_count, resolve_mesh_shape
+from marinctl.optim.groups import group_sizes
+from marinctl.params import recipe_device_count, resolve_mesh_shape
 from marinctl.recipe import Recipe
 from marinctl.stage import JsonOpt, QuietOpt, RecipeArg, SetOpt, Stage, VerboseOpt, console, emit_json, open_recipe
 
@@ -37,9 +38,7 @@ def plan_summary(recipe: Recipe, devices: int | None = None) -> dict[str, Any]:
     tokens_per_shard = recipe.tokens_per_step // (shards * recipe.train.grad_accum)
     cap = capacity(recipe, tokens_per_shard, mesh["expert"])
     mem = memory_estimate(recipe, mesh)
-    groups: dict[str, int] = {}
-    for spec in param_table(recipe).values():
-        groups[spec.group] = groups.get(spec.group, 0) + spec.size
+    groups = group_sizes(recipe)
     return {
         "recipe": recipe.name,
         "total_params": counts.total,

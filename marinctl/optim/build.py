@@ -4,9 +4,10 @@
     adamh  scale_by_adam -> hyperball(adamh_lr * schedule)                       lm_head
     muonh  Nesterov momentum -> Newton-Schulz -> hyperball(muonh_lr * schedule)  every other matrix
 
-Every state leaf is an array: momenta shaped like their parameter, hyperball norms shaped like their
-parameter with the reduced axes of size 1, and int32 step counts; `optimizer_state_shardings` gives
-the matching NamedSharding tree for jit out_shardings and orbax restore.
+Every state leaf is an array: momenta and Adam moments shaped like their parameter, frozen hyperball
+norms over the kept axes ([L], [L, n] or []), and int32 step counts. Leaf key paths end with the
+parameter's dotted path, which is how `optimizer_state_shardings` gives the matching NamedSharding
+tree (for jit out_shardings and orbax restore) and how flat checkpoints name them.
 """
 
 from __future__ import annotations
@@ -106,8 +107,8 @@ def optimizer_state_shardings(optimizer: optax.GradientTransformation, params, p
     """NamedShardings for `optimizer.init(params)`: param-shaped leaves shard like their parameter.
 
     A state leaf belongs to parameter `p` when its key path ends with p's dotted path and it has p's
-    shape (momenta, Adam moments). Everything else (step counts, hyperball norms with their reduced
-    axes of size 1) is small and replicated. `params` may be abstract (`jax.ShapeDtypeStruct`s).
+    shape (momenta, Adam moments). Everything else (step counts, hyperball norms over the kept layer /
+    shared-expert axes) is small and replicated. `params` may be abstract (`jax.ShapeDtypeStruct`s).
     """
     shardings = jax.tree.leaves(param_shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
     owners = {

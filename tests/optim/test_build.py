@@ -136,7 +136,8 @@ def test_grad_clip_rescales_gradients_by_their_global_norm_before_every_group(re
     got, _ = run(build_optimizer(clipped, subset), subset, g)
     norms = [float(np.sqrt(sum(np.sum(np.float64(x) ** 2) for x in step.values()))) for step in g]
     assert norms[0] < 1000.0 < norms[1]
-    pre_clipped = [jax.tree.map(lambda x, n=n: x * min(1.0, 1000.0 / n), step) for step, n in zip(g, norms, strict=True)]
+    scales = [min(1.0, 1000.0 / n) for n in norms]
+    pre_clipped = [jax.tree.map(lambda x, c=c: c * x, step) for step, c in zip(g, scales, strict=True)]
     expected, _ = run(build_optimizer(recipe, subset), subset, pre_clipped)
     for k in subset:
         np.testing.assert_allclose(np.asarray(got[k]), np.asarray(expected[k]), rtol=1e-5, atol=1e-7, err_msg=k)
