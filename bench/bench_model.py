@@ -51,8 +51,12 @@ def random_batch(recipe, seed: int = 0) -> dict[str, jax.Array]:
     seg[:, S // 2 :] = 2  # two packed documents per row: the masks are exercised as in training
     mask = np.ones((B, S), np.float32)
     mask[:, S // 2 - 1] = 0
-    return {"tokens": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:]),
-            "segment_ids": jnp.asarray(seg), "loss_mask": jnp.asarray(mask)}  # fmt: skip
+    return {
+        "tokens": jnp.asarray(tokens[:, :-1]),
+        "targets": jnp.asarray(tokens[:, 1:]),
+        "segment_ids": jnp.asarray(seg),
+        "loss_mask": jnp.asarray(mask),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -112,11 +116,17 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(result))
     else:
         print(f"{recipe.name}: {tokens} tokens/step on {jax.default_backend()}, compile {compile_s:.1f} s")
-        print(f"  step {step_s * 1e3:.0f} ms (median of {args.steps}, min {min(times) * 1e3:.0f} ms)"
-              f"  ->  {tokens / step_s:,.0f} tokens/s")  # fmt: skip
-        print(f"  model   {achieved / 1e12:8.4f} TFLOP/s (SPEC 7, full square)   {achieved_causal / 1e12:8.4f} (causal)")
+        print(
+            f"  step {step_s * 1e3:.0f} ms (median of {args.steps}, min {min(times) * 1e3:.0f} ms)"
+            f"  ->  {tokens / step_s:,.0f} tokens/s"
+        )
+        print(
+            f"  model   {achieved / 1e12:8.4f} TFLOP/s (SPEC 7, full square)   {achieved_causal / 1e12:8.4f} (causal)"
+        )
         print(f"  matmul  {peak / 1e12:8.4f} TFLOP/s peak (2048² {compute_dtype(recipe.model.compute_dtype).name})")
-        print(f"  MFU     {achieved / peak:8.1%}                                 {achieved_causal / peak:8.1%} (causal)")
+        print(
+            f"  MFU     {achieved / peak:8.1%}                                 {achieved_causal / peak:8.1%} (causal)"
+        )
     return result
 
 

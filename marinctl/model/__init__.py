@@ -1,1 +1,10 @@
-"""The hero model (SPEC 2) as equinox modules."""
+"""The hero model (SPEC 2) as equinox modules, readable top to bottom in SPEC order:
+
+- `layers.py`      RMSNorm, GatedNorm, the short causal conv (SConv), the precision contract
+- `attention.py`   GQA attention: QK norm × qk_mult, partial RoPE / NoPE, window, documents, XSA, gate
+- `moe.py`         the quantile-balanced sigmoid router, LatentMoE and the shared experts
+- `transformer.py` Block (scanned over layers), Transformer, `init_model` / `build_model` / `model_params`
+- `loss.py`        `lm_loss` (CE + logit z-loss) and `model_loss` (forward + loss on a packed batch)
+
+Submodules import JAX; this package file does not, so `import marinctl.model.loss` is the entry point.
+"""

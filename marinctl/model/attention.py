@@ -5,6 +5,8 @@ One module serves every layer: whether a layer is local or global arrives as `La
 (scanned over layers), so all layers share one compiled block (the "template-first" rule).
 """
 
+# ruff: noqa: F722 (jaxtyping shape strings are not Python expressions)
+
 from __future__ import annotations
 
 import math

@@ -4,6 +4,8 @@ Precision contract (shared by every module in `marinctl.model`): parameters are 
 are cast to the compute dtype at the matmul that uses them; norms run in fp32 and hand back fp32.
 """
 
+# ruff: noqa: F722 (jaxtyping shape strings are not Python expressions)
+
 from __future__ import annotations
 
 import equinox as eqx
@@ -82,4 +84,3 @@ class ShortConv(eqx.Module):
             same_doc = (seg_shifted == segment_ids)[..., None]
             out = out + jnp.where(same_doc, shifted, 0) * w[lag]
         return out
-

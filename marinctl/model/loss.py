@@ -4,6 +4,8 @@ The z-loss `w · logsumexp(logits)²` stays in the recipe because hyperball pins
 not the final RMSNorm gain, which otherwise grows and inflates the logits (the run's lesson, SPEC 10).
 """
 
+# ruff: noqa: F722 (jaxtyping shape strings are not Python expressions)
+
 from __future__ import annotations
 
 import jax

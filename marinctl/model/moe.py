@@ -6,6 +6,8 @@ SwiGLU experts read the full width. Which expert-parallel transport moves the ro
 (`moe.transport`); every transport has the same signature (marinctl/routing/transports.py).
 """
 
+# ruff: noqa: F722 (jaxtyping shape strings are not Python expressions)
+
 from __future__ import annotations
 
 import equinox as eqx
@@ -98,9 +100,15 @@ class LatentMoE(eqx.Module):
         e = self.experts
         transport = get_transport(moe.transport)
         y, stats = transport(
-            u, routing.expert_idx, routing.combine, valid,
-            e.w_gate.astype(dtype), e.w_up.astype(dtype), e.w_down.astype(dtype), moe,
-        )  # fmt: skip
+            u,
+            routing.expert_idx,
+            routing.combine,
+            valid,
+            e.w_gate.astype(dtype),
+            e.w_up.astype(dtype),
+            e.w_down.astype(dtype),
+            moe,
+        )
         out = y.astype(dtype)
         if self.latent_up is not None:
             out = out @ self.latent_up.astype(dtype)

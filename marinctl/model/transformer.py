@@ -10,6 +10,8 @@ local/global, RoPE on/off, window and KV heads arrive per layer as `LayerFacts` 
 compiled block for all layers. The array leaves equal `marinctl.params.param_table` leaf for leaf.
 """
 
+# ruff: noqa: F722 (jaxtyping shape strings are not Python expressions)
+
 from __future__ import annotations
 
 import math
@@ -91,7 +93,13 @@ def document_positions(segment_ids: Int[Array, "b s"]) -> Int[Array, "b s"]:
 
 
 class Transformer(eqx.Module):
-    """SPEC 2. `model(tokens, segment_ids, router_bias) -> (logits fp32 [B,S,V], aux)`."""
+    """SPEC 2. `model(tokens, segment_ids, router_bias) -> (logits fp32 [B,S,V], aux)`.
+
+    Segment id 0 is padding; RoPE positions restart at every document. The residual stream is carried
+    in the compute dtype (bf16 on GPU: the saved-activation size the planner assumes); every norm reads
+    it in fp32. aux holds the per-layer routing statistics stacked over L: beta, expert_load,
+    assignments, sender_drops, receiver_drops, router_z.
+    """
 
     embed: Embedding
     embed_norm: RMSNorm | None
@@ -156,8 +164,10 @@ def init_params(recipe: Recipe, key: PRNGKeyArray) -> dict[str, Array]:
     """
     m = recipe.model
     std = m.init_scale / math.sqrt(m.hidden)
-    return {path: _init_leaf(spec, jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF), std)
-            for path, spec in param_table(recipe).items()}  # fmt: skip
+    return {
+        path: _init_leaf(spec, jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF), std)
+        for path, spec in param_table(recipe).items()
+    }
 
 
 def _init_leaf(spec: ParamSpec, key: PRNGKeyArray, std: float) -> Array:
@@ -208,10 +218,13 @@ def build_model(recipe: Recipe, params: Mapping[str, Array]) -> Transformer:
     shared = None
     if moe.shared_experts:
         shared = SharedExperts(*(p[f"blocks.moe.shared.{w}"] for w in ("w_gate", "w_up", "w_down")))
+    latent_norm = None
+    if "blocks.moe.latent_norm.gain" in p:
+        latent_norm = RMSNorm(p["blocks.moe.latent_norm.gain"], eps=m.norm_eps)
     latent_moe = LatentMoE(
         router=p["blocks.moe.router"],
         latent_down=p.get("blocks.moe.latent_down"),
-        latent_norm=RMSNorm(p["blocks.moe.latent_norm.gain"], eps=m.norm_eps) if moe.latent and moe.latent_norm else None,
+        latent_norm=latent_norm,
         experts=Experts(*(p[f"blocks.moe.experts.{w}"] for w in ("w_gate", "w_up", "w_down"))),
         latent_up=p.get("blocks.moe.latent_up"),
         shared=shared,

@@ -2,9 +2,10 @@
 
 Dropless means every routed assignment is computed, whatever the training transport drops: the model
 is re-assembled around the same arrays with the `dense` transport (the reference every transport is
-tested against). With an expert axis > 1 (hero-sized experts), `dense` would materialize every token
-through every expert, so evaluation uses `ragged`, which is dropless too and equals `dense` (SPEC 4).
-The macro loss is the unweighted mean over eval sources of each source's mean per-token loss (nats).
+tested against). For hero-sized experts `dense` would materialize every token through every expert
+(the [tokens, E, I] intermediate below), so past `DENSE_EVAL_BYTES` per device evaluation uses `ragged`,
+which is dropless too and equals `dense` (SPEC 4). The macro loss is the unweighted mean over eval
+sources of each source's mean per-token loss (nats).
 """
 
 from __future__ import annotations
@@ -24,17 +25,25 @@ from marinctl.recipe import Recipe
 from marinctl.train.step import Batch, device_batch
 
 
-def eval_transport(recipe: Recipe) -> str:
-    return "dense" if recipe.parallel.expert == 1 else "ragged"
+DENSE_EVAL_BYTES = 1 << 30
 
 
-def dropless_recipe(recipe: Recipe) -> Recipe:
-    return recipe.replace(moe=dataclasses.replace(recipe.moe, transport=eval_transport(recipe)))
+def eval_transport(recipe: Recipe, n_devices: int) -> str:
+    """`dense` unless its per-device [tokens, E, I] fp32 intermediate would pass DENSE_EVAL_BYTES."""
+    moe = recipe.moe
+    tokens = (recipe.eval.batch_size or recipe.train.batch_size) * recipe.train.seq_len // n_devices
+    dense_bytes = tokens * moe.num_experts * moe.expert_width * 4
+    return "dense" if dense_bytes <= DENSE_EVAL_BYTES else "ragged"
+
+
+def dropless_recipe(recipe: Recipe, n_devices: int) -> Recipe:
+    return recipe.replace(moe=dataclasses.replace(recipe.moe, transport=eval_transport(recipe, n_devices)))
 
 
 def eval_sums(model, router_bias: Array, batch: Batch, recipe: Recipe) -> tuple[Array, Array]:
-    """(Σ token CE in nats, Σ scored tokens) of one batch, dropless, with the training router bias."""
-    dropless = build_model(dropless_recipe(recipe), model_params(model))
+    """(Σ token CE in nats, Σ scored tokens) of one batch, dropless, with the training router bias.
+    `recipe.moe.transport` must already be a dropless one (`dropless_recipe`)."""
+    dropless = build_model(recipe, model_params(model))
     logits, _ = dropless(batch["tokens"], batch["segment_ids"], router_bias)
     ce = lm_loss(logits, batch["targets"], batch["loss_mask"], 0.0)[1]["ce"]
     n_tokens = jnp.sum(batch["loss_mask"])
@@ -43,8 +52,9 @@ def eval_sums(model, router_bias: Array, batch: Batch, recipe: Recipe) -> tuple[
 
 def compile_eval_step(recipe: Recipe, model_shardings, batch_sharding: NamedSharding) -> Callable:
     replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
+    dropless = dropless_recipe(recipe, batch_sharding.mesh.size)
     return jax.jit(
-        lambda model, bias, batch: eval_sums(model, bias, batch, recipe),
+        lambda model, bias, batch: eval_sums(model, bias, batch, dropless),
         in_shardings=(model_shardings, replicated, batch_sharding),
         out_shardings=replicated,
     )

@@ -235,15 +235,7 @@ class _Run:
                 state = jax.jit(lambda: init_state(recipe, optimizer), out_shardings=shardings)()
                 start = 0
             t0 = time.perf_counter()
-            global_batch = recipe.train.batch_size
-            batch_spec = {
-                k: jax.ShapeDtypeStruct((global_batch, recipe.train.seq_len), dt, sharding=self.batch_sharding)
-                for k, dt in (("tokens", np.int32), ("targets", np.int32), ("segment_ids", np.int32),
-                              ("loss_mask", np.float32))
-            }  # fmt: skip
-            self.train_step = compile_train_step(recipe, optimizer, shardings, self.batch_sharding).lower(
-                abstract, batch_spec
-            ).compile()
+            self.train_step = compile_train_step(recipe, optimizer, shardings, self.batch_sharding)
             self.eval_step = compile_eval_step(recipe, shardings.model, self.batch_sharding)
             compile_s = time.perf_counter() - t0
             if restored is None:
@@ -268,12 +260,12 @@ class _Run:
                 ("run dir", str(run_dir)),
                 ("devices", f"{len(self.devices)} x {self.devices[0].device_kind} over {self.process_count} process(es); mesh {mesh}"),
                 ("parameters", f"{counts.total:,} total, {counts.active:,} active"),
-                ("batch", f"{global_batch} x {recipe.train.seq_len} = {recipe.tokens_per_step:,} tokens/step, "
+                ("batch", f"{recipe.train.batch_size} x {recipe.train.seq_len} = {recipe.tokens_per_step:,} tokens/step, "
                           f"{recipe.train.steps} steps, grad_accum {recipe.train.grad_accum}"),
                 ("optimizer", f"Adam {self.hp.adam_lr:.3g}, MuonH {self.hp.muonh_lr:.3g}, AdamH {self.hp.adamh_lr:.3g}; "
                               f"warmup {self.hp.warmup_steps}"),
                 ("MoE", f"transport {recipe.moe.transport} (cf {recipe.moe.capacity_factor:g}), eval dropless via "
-                        f"{eval_transport(recipe)}, balancing {recipe.moe.balancing}"),
+                        f"{eval_transport(recipe, len(self.devices))}, balancing {recipe.moe.balancing}"),
                 ("FLOPs", f"{self.flops.per_token:.4g}/token forward; MFU convention {FLOP_CONVENTION}"),
                 ("peak", f"{self.peak / 1e12:.3f} TFLOP/s per device ({peak_source})"),
                 ("start", f"resumed from step {start}" if restored else "fresh"),
@@ -380,6 +372,7 @@ class _Run:
 
         from marinctl.hparams import lr_multiplier
         from marinctl.train.metrics import throughput
+        from marinctl.train.monitors import NonFiniteAbort
 
         m = jax.device_get(metrics)
         now = time.perf_counter()
@@ -419,12 +412,16 @@ class _Run:
             g = np.asarray(m.get("expert_grad_norm", np.zeros((0, 0))))
             if g.size:
                 record["expert_grad_norm_min_over_median"] = float(np.min(g / np.maximum(np.median(g, -1, keepdims=True), 1e-30)))
-        warnings = self.monitor.observe(
-            step, finite=finite,
-            norms=m["param_norms"] if finite else None,
-            embed_grad_norm=float(m["embed_grad_norm"]) if "embed_grad_norm" in m else None,
-            expert_grad_norms=m.get("expert_grad_norm") if finite else None,
-        )  # raises NonFiniteAbort after train.max_nonfinite_steps in a row
+        try:
+            warnings = self.monitor.observe(
+                step, finite=finite,
+                norms=m["param_norms"] if finite else None,
+                embed_grad_norm=float(m["embed_grad_norm"]) if "embed_grad_norm" in m else None,
+                expert_grad_norms=m.get("expert_grad_norm") if finite else None,
+            )
+        except NonFiniteAbort as err:  # after train.max_nonfinite_steps in a row: log the step, then stop
+            self.metrics.write({**record, "warnings": [str(err)]})
+            raise
         if warnings:
             record["warnings"] = warnings
             for text in warnings:

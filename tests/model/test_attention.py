@@ -135,10 +135,21 @@ CASES = {
     "global": (BASE, 2, (True, UNBOUNDED_WINDOW, False, 1), True, False),
     # ablations: no QK norm, no XSA, no gate, full RoPE, learnable qk_mult, MHA, SConv on values
     "ablations": (
-        dataclasses.replace(BASE, qk_norm=False, xsa=False, gate=False, rope_fraction=1.0, qk_mult_learnable=True,
-                            local_kv_heads=4, window=3),
-        4, (False, 3, True, 4), False, True,
-    ),  # fmt: skip
+        dataclasses.replace(
+            BASE,
+            qk_norm=False,
+            xsa=False,
+            gate=False,
+            rope_fraction=1.0,
+            qk_mult_learnable=True,
+            local_kv_heads=4,
+            window=3,
+        ),
+        4,
+        (False, 3, True, 4),
+        False,
+        True,
+    ),
 }
 
 
@@ -152,9 +163,13 @@ def test_attention_equals_naive_masked_softmax_loop(case):
     wk = rng.normal(size=(3, stored * Dh)).astype(np.float32) if conv_keys else None
     wv = rng.normal(size=(3, stored * Dh)).astype(np.float32) if conv_values else None
     out = eqx.filter_jit(module)(
-        jnp.asarray(a), jnp.asarray(SEG), jnp.asarray(doc_positions(SEG)), facts,
-        ShortConv(jnp.asarray(wk)) if conv_keys else None, ShortConv(jnp.asarray(wv)) if conv_values else None,
-    )  # fmt: skip
+        jnp.asarray(a),
+        jnp.asarray(SEG),
+        jnp.asarray(doc_positions(SEG)),
+        facts,
+        ShortConv(jnp.asarray(wk)) if conv_keys else None,
+        ShortConv(jnp.asarray(wv)) if conv_values else None,
+    )
     expected = naive_attention(a.astype(np.float64), p, cfg, np_facts, wk, wv)
     np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-4, atol=2e-4)
 
@@ -172,7 +187,9 @@ def test_xsa_output_of_every_head_is_orthogonal_to_its_own_value_vector():
     along = np.sum(z * v, -1) / np.sum(v * v, -1)
     assert np.abs(along).max() < 1e-5
     without = dataclasses.replace(module, config=dataclasses.replace(cfg, xsa=False))
-    z_plain = np.asarray(eqx.filter_jit(without)(jnp.asarray(a), jnp.asarray(SEG), jnp.asarray(doc_positions(SEG)), facts))
+    z_plain = np.asarray(
+        eqx.filter_jit(without)(jnp.asarray(a), jnp.asarray(SEG), jnp.asarray(doc_positions(SEG)), facts)
+    )
     assert np.abs(np.sum(z_plain.reshape(B, S, H, Dh) * v, -1) / np.sum(v * v, -1)).mean() > 0.1
 
 
@@ -218,7 +235,7 @@ def test_fused_attention_call_matches_the_plain_path():
 def test_cudnn_is_never_selected_on_cpu():
     assert select_impl("auto", jnp.bfloat16) == "xla"
     assert select_impl("xla", jnp.float32) == "xla"
-    with pytest.raises(UserError, match="attention.impl"):
+    with pytest.raises(UserError, match=r"attention\.impl"):
         select_impl("cudnn", jnp.bfloat16)
 
 

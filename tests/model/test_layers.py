@@ -51,8 +51,12 @@ def test_normalize_applies_rms_then_gated_norm_and_casts_to_compute_dtype():
     x = RNG.normal(size=(2, 3, d)).astype(np.float32)
     gain = RNG.normal(size=(d,)).astype(np.float32)
     w_down, w_up = RNG.normal(size=(d, 2)).astype(np.float32), RNG.normal(size=(2, d)).astype(np.float32)
-    out = normalize(RMSNorm(jnp.asarray(gain), 1e-5), GatedNorm(jnp.asarray(w_down), jnp.asarray(w_up)),
-                    jnp.asarray(x), jnp.bfloat16)  # fmt: skip
+    out = normalize(
+        RMSNorm(jnp.asarray(gain), 1e-5),
+        GatedNorm(jnp.asarray(w_down), jnp.asarray(w_up)),
+        jnp.asarray(x),
+        jnp.bfloat16,
+    )
     assert out.dtype == jnp.bfloat16
     x_hat = np_rms(x, 1e-5) * gain
     expected = x_hat * np_sigmoid(np_silu(x_hat @ w_down) @ w_up)
@@ -61,7 +65,7 @@ def test_normalize_applies_rms_then_gated_norm_and_casts_to_compute_dtype():
 
 def naive_sconv(x, w, seg):
     """out[b,t,c] = Σ_lag w[lag,c] · x[b,t−lag,c] · 1[seg(t−lag) = seg(t)], zero before the start."""
-    B, S, C = x.shape
+    B, S, _ = x.shape
     out = np.zeros_like(x)
     for b in range(B):
         for t in range(S):
@@ -87,4 +91,3 @@ def test_short_conv_matches_a_naive_loop_with_zeroed_taps_across_documents():
         w = RNG.normal(size=(k, 6)).astype(np.float32)
         out = ShortConv(jnp.asarray(w))(jnp.asarray(x), jnp.asarray(seg))
         np.testing.assert_allclose(np.asarray(out), naive_sconv(x, w, seg), rtol=1e-5, atol=1e-6)
-

@@ -3,6 +3,7 @@ the metric contract, exact resume after SIGKILL, SIGTERM -> checkpoint + exit 3 
 devices == 1 x 8, dropping vs dropless transports, and non-finite steps skipped and counted."""
 
 import signal
+import time
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -104,20 +105,74 @@ def test_sigterm_checkpoints_exits_3_and_the_rerun_continues(reference, runner, 
 
 
 def test_two_processes_of_four_devices_match_one_process_of_eight(reference, runner, micro_recipe_path, tmp_path):
+    """Loopback jax.distributed with gloo. Gloo makes each step slow on CPU, so the pair is stopped early by
+    SIGTERM to the non-coordinator host: both hosts must agree to checkpoint the same step and exit 3."""
     run_dir = tmp_path / "multihost"
     port = runner.free_port()
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     procs = [
         runner.launch(
-            ["train", str(micro_recipe_path), "--run-dir", str(run_dir), "--json", "--quiet",
+            ["train", str(micro_recipe_path), "--run-dir", str(run_dir), "--json", "--quiet", "--set", "eval.sources=[]",
              "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
-            env=env,
+            env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
         )
         for i in range(2)
     ]  # fmt: skip
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 400
+    while not (metrics.exists() and len(train_records(run_dir)) >= 3):
+        assert all(p.poll() is None for p in procs), [runner.finish(p)[2][-2000:] for p in procs]
+        assert time.monotonic() < deadline, "no training steps within the timeout"
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)
     results = [runner.finish(p) for p in procs]
     for rc, _, err in results:
-        assert rc == 0, err[-3000:]
+        assert rc == 3, err[-3000:]
+    (_, first, _), (_, second, _) = results
+    assert first["exit_reason"] == second["exit_reason"] == "preempted"
+    assert first["checkpoint_step"] == second["checkpoint_step"] == first["steps"] >= 3
+    assert first["steps"] in runner.committed_steps(run_dir)
     losses = [r["loss"] for r in train_records(run_dir)]  # written by process 0 only
-    np.testing.assert_allclose(losses, reference["losses"], rtol=1e-5)
-    assert results[0][1]["final_loss"] == results[1][1]["final_loss"]  # both hosts saw the same global loss
+    assert len(losses) == first["steps"]
+    np.testing.assert_allclose(losses, reference["losses"][: len(losses)], rtol=1e-5)
+    assert first["final_loss"] == second["final_loss"]  # both hosts saw the same global loss
+
+
+def test_a_nonfinite_step_is_skipped_counted_and_the_run_continues(reference, tmp_path):
+    def poison(step, batch):
+        if step == 3:  # a NaN loss mask turns the loss and every gradient into NaN
+            batch = {**batch, "loss_mask": np.full_like(batch["loss_mask"], np.nan)}
+        return batch
+
+    summary = run(reference["recipe"], RunOptions(run_dir=tmp_path, quiet=True, batch_hook=poison))
+    assert summary.exit_reason == "done" and summary.nonfinite_skipped == 1
+    train = train_records(tmp_path)
+    assert [r["step"] for r in train] == list(range(reference["recipe"].train.steps))
+    assert [r["finite"] for r in train[2:5]] == [True, False, True]
+    assert [r["nonfinite_skipped"] for r in train[2:5]] == [0, 1, 1]
+    assert "skipped" in train[3]["warnings"][0]
+    assert [r["loss"] for r in train[:3]] == reference["losses"][:3]
+    assert np.isfinite(summary.final_loss) and summary.final_loss < train[0]["loss"]
+
+
+def test_consecutive_nonfinite_steps_abort_with_a_clear_message(reference, tmp_path):
+    import dataclasses
+
+    recipe = reference["recipe"]
+    recipe = recipe.replace(train=dataclasses.replace(recipe.train, max_nonfinite_steps=3))
+
+    def poison(step, batch):
+        return {**batch, "loss_mask": np.full_like(batch["loss_mask"], np.nan)} if step >= 2 else batch
+
+    summary = run(recipe, RunOptions(run_dir=tmp_path, quiet=True, batch_hook=poison))
+    assert summary.exit_reason == "diverged" and summary.exit_code == 1
+    assert "step 4: 3 consecutive non-finite" in summary.message
+    assert [r["step"] for r in train_records(tmp_path)][-1] == 4
+
+
+def test_ragged_transport_logs_no_drops_and_trains(reference, tmp_path):
+    recipe = load_recipe(reference["recipe"].source, ["moe.transport=ragged", "train.steps=6", "eval.sources=[]"])
+    summary = run(recipe, RunOptions(run_dir=tmp_path, quiet=True))
+    train = train_records(tmp_path)
+    assert summary.exit_reason == "done" and len(train) == 6
+    assert all(r["drop_frac"] == 0 for r in train)
+    assert train[-1]["loss"] < train[0]["loss"] - 0.2
