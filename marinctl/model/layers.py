@@ -8,10 +8,15 @@ are cast to the compute dtype at the matmul that uses them; norms run in fp32 an
 
 from __future__ import annotations
 
+import math
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
+
+from marinctl.params import MESH_AXES
 
 F32 = jnp.float32
 
@@ -21,6 +26,22 @@ def compute_dtype(name: str) -> jnp.dtype:
     if name == "auto":
         return jnp.dtype(jnp.bfloat16) if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else jnp.dtype(F32)
     return jnp.dtype(name)
+
+
+def shard_batch(x: Array) -> Array:
+    """Pin an activation's leading (batch or token) dim to every mesh axis, the layout the batch arrives in.
+
+    FSDP keeps activations batch-sharded and gathers weights; left alone, the partitioner may follow a
+    weight's sharding instead (heads over devices) and reshard around the scan. A no-op without a mesh,
+    on a 1-device mesh, or when the dim does not divide (e.g. a small eval batch).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    axes = tuple(a for a in MESH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+    if not axes or x.shape[0] % math.prod(mesh.shape[a] for a in axes):
+        return x
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(axes, *([None] * (x.ndim - 1))))
 
 
 def rms_norm(x: Float[Array, "... d"], eps: float) -> Float[Array, "... d"]:

@@ -25,7 +25,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from marinctl.model.attention import UNBOUNDED_WINDOW, Attention, LayerFacts, kv_head_map, select_impl
-from marinctl.model.layers import F32, GatedNorm, RMSNorm, ShortConv, compute_dtype, normalize
+from marinctl.model.layers import F32, GatedNorm, RMSNorm, ShortConv, compute_dtype, normalize, shard_batch
 from marinctl.model.moe import Experts, LatentMoE, SharedExperts
 from marinctl.params import ParamSpec, param_table, tree_paths
 from marinctl.recipe import Recipe
@@ -136,11 +136,12 @@ class Transformer(eqx.Module):
         x = jnp.take(self.embed.weight, tokens, axis=0)
         if self.embed_norm is not None:  # unit-scale input however large Adam grows the embedding
             x = normalize(self.embed_norm, self.embed_gated_norm, x, dtype)
-        x = x.astype(dtype)
+        x = shard_batch(x.astype(dtype))
 
         def layer(x, inputs):
             block, facts, bias = inputs
-            return block(x, segment_ids, positions, facts, bias, impl)
+            x, stats = block(shard_batch(x), segment_ids, positions, facts, bias, impl)
+            return shard_batch(x), stats
 
         if self.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)

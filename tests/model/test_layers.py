@@ -1,9 +1,13 @@
 """RMSNorm, GatedNorm and SConv against plain numpy."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
-from marinctl.model.layers import GatedNorm, RMSNorm, ShortConv, normalize, rms_norm
+from marinctl.model.layers import GatedNorm, RMSNorm, ShortConv, normalize, rms_norm, shard_batch
+from marinctl.recipe import ParallelConfig
+from marinctl.routing.mesh import make_mesh
 
 RNG = np.random.default_rng(0)
 
@@ -91,3 +95,14 @@ def test_short_conv_matches_a_naive_loop_with_zeroed_taps_across_documents():
         w = RNG.normal(size=(k, 6)).astype(np.float32)
         out = ShortConv(jnp.asarray(w))(jnp.asarray(x), jnp.asarray(seg))
         np.testing.assert_allclose(np.asarray(out), naive_sconv(x, w, seg), rtol=1e-5, atol=1e-6)
+
+
+def test_shard_batch_pins_the_leading_dim_to_every_mesh_axis_and_is_a_no_op_without_a_mesh():
+    x = jnp.ones((8, 3))
+    assert shard_batch(x) is x
+    mesh = make_mesh(ParallelConfig(replica=1, data=2, expert=4))
+    with jax.set_mesh(mesh):
+        y = jax.jit(shard_batch)(x)
+        odd = jax.jit(shard_batch)(jnp.ones((6, 3)))  # 6 rows do not split 8 ways: left to the partitioner
+    assert y.sharding.spec == PartitionSpec(("data", "expert"))
+    assert odd.shape == (6, 3)

@@ -12,7 +12,7 @@ import pytest
 from marinctl.counting import count_params
 from marinctl.model.attention import UNBOUNDED_WINDOW
 from marinctl.model.loss import model_loss
-from marinctl.model.transformer import document_positions, init_model, model_params
+from marinctl.model.transformer import build_model, document_positions, init_model, model_params
 from marinctl.params import param_table
 
 # The init code is key-type agnostic; RBG keys compile ~3× faster on CPU than threefry (test budget).
@@ -213,3 +213,25 @@ def test_bfloat16_compute_tracks_float32_with_fp32_logits(small_recipe, small):
         assert logits.dtype == jnp.float32
         out[dtype] = np.asarray(logits)
     assert np.abs(out["bfloat16"] - out["float32"]).max() < 0.05 * np.abs(out["float32"]).max()
+
+
+@pytest.mark.slow
+def test_the_model_on_an_8_device_expert_parallel_mesh_matches_one_device(small_recipe, small):
+    from marinctl.routing.mesh import batch_sharding, make_mesh, param_shardings
+
+    model, _ = small
+    recipe = small_recipe.replace(
+        moe=dataclasses.replace(small_recipe.moe, transport="ragged"),  # dropless, so equal to dense
+        parallel=dataclasses.replace(small_recipe.parallel, data=2, expert=4),
+        train=dataclasses.replace(small_recipe.train, batch_size=8),
+    )
+    batch = batch_for(recipe, 8, seed=5)
+    bias = jnp.zeros((2, recipe.moe.num_experts))
+    (ref_loss, _), ref_grads = loss_and_grad(small_recipe)(model, batch, bias)
+    mesh = make_mesh(recipe.parallel)
+    with jax.set_mesh(mesh):
+        sharded = build_model(recipe, model_params(jax.device_put(model, param_shardings(model, recipe, mesh))))
+        (loss, _), grads = loss_and_grad(recipe)(sharded, jax.device_put(batch, batch_sharding(mesh)), bias)
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+    for g, g_ref in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-3, atol=1e-6)
