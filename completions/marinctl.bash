@@ -4,10 +4,11 @@ _marinctl() {
     cur="${COMP_WORDS[COMP_CWORD]}"
     cmd="${COMP_WORDS[1]}"
     if [[ $COMP_CWORD -eq 1 ]]; then
-        COMPREPLY=($(compgen -W "plan plot tokenize train --install-completion --show-completion --version" -- "$cur"))
+        COMPREPLY=($(compgen -W "ladder plan plot tokenize train --install-completion --show-completion --version" -- "$cur"))
         return
     fi
     case "$cmd" in
+        ladder) opts="efficiency fit --A --E --alpha --compute --extend --irreducible --json --loss --no-extend --plot --quiet --set --target -q --help" ;;
         plan) opts="--devices --json --quiet --set --verbose -q -v --help" ;;
         plot) opts="--json --quiet -q --help" ;;
         tokenize) opts="--commit-tokens --invalid-utf8 --json --out --overwrite --quiet --skip-bad-files --text-field --tokenizer --train-tokenizer --verbose -o -q -v --help" ;;

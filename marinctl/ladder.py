@@ -1,0 +1,371 @@
+"""Scaling ladder (SPEC §9): per-progress power-law fits across rungs, the target run's forecast, and
+compute efficiency against a baseline law.
+
+At every 5% of training progress g the rungs' dropless eval macro losses are fit with
+`log(L_g − E) = log A_g − α_g · log C_g` (least squares, E fixed), where C_g = g · C and C is a run's
+training FLOPs without the lm_head (SPEC §7). The target is forecast at the same progress with
+`E + A_g · (g · C_target)^−α_g`, so the forecast is a curve the big run can be tracked against while it
+trains, not one number at the end (the post's Figure 21). Pure numpy; matplotlib only for the plot.
+"""
+# ruff: noqa: F722 (jaxtyping shape strings are not Python expressions)
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from jaxtyping import Bool, Float
+
+from marinctl.counting import flops_per_token
+from marinctl.errors import UserError
+from marinctl.recipe import Recipe, load_recipe
+
+# SPEC §9: the fits happen at every 5% of training progress.
+PROGRESS_GRID: tuple[float, ...] = tuple(round(0.05 * i, 2) for i in range(1, 21))
+# SPEC §9: irreducible loss calibrated for 4k context (the May law used 1.6, the 8k 67B-A2B law 1.4).
+IRREDUCIBLE_LOSS = 1.5
+# SPEC §9: an early-stopped rung continues the least-squares line of its evals in this progress window.
+# It ends at 80% because the data mix changes there (the bump in the post's Figure 11).
+EXTENSION_WINDOW = (0.6, 0.8)
+_TOL = 1e-9  # progress values come from step/steps; grid points must match them despite rounding
+
+
+def training_compute(recipe: Recipe) -> float:
+    """C of SPEC §9: the run's planned training FLOPs (3 · f · tokens) without the lm_head term (SPEC §7)."""
+    return flops_per_token(recipe).train(recipe.total_tokens, lm_head=False)
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One ladder run: its compute and its dropless eval macro loss against progress g = step / steps."""
+
+    name: str
+    compute: float
+    progress: Float[np.ndarray, " evals"]  # ascending, distinct
+    loss: Float[np.ndarray, " evals"]
+    note: str = ""  # anything the reader must know about how the curve was read
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "progress", np.asarray(self.progress, np.float64))
+        object.__setattr__(self, "loss", np.asarray(self.loss, np.float64))
+        if len(self.progress) == 0 or len(self.progress) != len(self.loss):
+            raise ValueError(f"rung {self.name}: needs matching, non-empty progress and loss arrays")
+        if np.any(np.diff(self.progress) <= 0):
+            raise ValueError(f"rung {self.name}: progress must be strictly increasing")
+
+    @property
+    def last_progress(self) -> float:
+        return float(self.progress[-1])
+
+
+def read_rung(run_dir: Path, name: str | None = None) -> Rung:
+    """A rung from a `marinctl train` run directory: `recipe.toml` (its compute and step count) and the
+    `"kind": "eval"` records of `metrics.jsonl` (`step`, `macro_loss`).
+
+    A repeated step keeps its last record (a resumed run re-evaluates). A non-finite loss ends the curve
+    there (the run diverged), which then reads as an early stop and says so in `note`.
+    """
+    from marinctl.train.metrics import read_metrics
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir}: not a directory (expected a marinctl train run directory)")
+    recipe_path, metrics_path = run_dir / "recipe.toml", run_dir / "metrics.jsonl"
+    for path in (recipe_path, metrics_path):
+        if not path.is_file():
+            raise UserError(f"{run_dir}: no {path.name} (is this a marinctl train run directory?)")
+    recipe = load_recipe(recipe_path)
+    try:
+        records = read_metrics(metrics_path)
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"{metrics_path}: cannot read: {err}") from None
+    by_step: dict[int, float] = {}
+    for record in records:
+        if not isinstance(record, dict) or record.get("kind") != "eval":
+            continue
+        step, loss = record.get("step"), record.get("macro_loss")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise UserError(f"{metrics_path}: eval record with a bad step {step!r}")
+        if loss is None:
+            continue  # an eval with no sources has no macro loss
+        if isinstance(loss, bool) or not isinstance(loss, (int, float)):
+            raise UserError(f"{metrics_path}: eval record at step {step} has a non-numeric macro_loss {loss!r}")
+        by_step[step] = float(loss)
+    if not by_step:
+        raise UserError(f"{metrics_path}: no eval records with a macro_loss")
+    steps = sorted(by_step)
+    note = ""
+    bad = [s for s in steps if not math.isfinite(by_step[s])]
+    if bad:
+        steps = [s for s in steps if s < bad[0]]
+        note = f"macro_loss is non-finite from step {bad[0]}; curve ends at the eval before it"
+        if not steps:
+            raise UserError(f"{metrics_path}: macro_loss is non-finite from the first eval (step {bad[0]})")
+    progress = np.asarray(steps, np.float64) / recipe.train.steps
+    loss = np.asarray([by_step[s] for s in steps], np.float64)
+    return Rung(name or run_dir.name, training_compute(recipe), progress, loss, note)
+
+
+def extension_line(rung: Rung, window: tuple[float, float] = EXTENSION_WINDOW) -> tuple[float, float] | None:
+    """(intercept, slope) of the least-squares line L(g) over the rung's evals with g in `window`
+    (inclusive), or None when the window holds fewer than two evals."""
+    lo, hi = window
+    inside = (rung.progress >= lo - _TOL) & (rung.progress <= hi + _TOL)
+    if inside.sum() < 2:
+        return None
+    slope, intercept = np.polyfit(rung.progress[inside], rung.loss[inside], 1)
+    return float(intercept), float(slope)
+
+
+@dataclass(frozen=True)
+class RungOnGrid:
+    """A rung's loss at each grid progress: interpolated from its evals, extended past an early stop, or
+    NaN where it has neither (before its first eval, or after a stop it cannot be extended from)."""
+
+    rung: Rung
+    loss: Float[np.ndarray, " grid"]
+    extrapolated: Bool[np.ndarray, " grid"]
+    line: tuple[float, float] | None  # the extension line, when used
+    note: str  # why an early stop was not extended, if it was not
+
+
+def rung_on_grid(
+    rung: Rung,
+    grid: tuple[float, ...] = PROGRESS_GRID,
+    *,
+    extend: bool = True,
+    window: tuple[float, float] = EXTENSION_WINDOW,
+) -> RungOnGrid:
+    """Linear interpolation of the evals at each grid g; past the last eval, the window's line (SPEC §9).
+
+    A rung is extended only when it ran past the whole window and the window holds at least two evals, so
+    the line is fit to evals that precede every extrapolated point.
+    """
+    g = np.asarray(grid, np.float64)
+    covered = (g >= rung.progress[0] - _TOL) & (g <= rung.last_progress + _TOL)
+    loss = np.where(covered, np.interp(g, rung.progress, rung.loss), np.nan)
+    after = g > rung.last_progress + _TOL
+    extrapolated = np.zeros_like(after)
+    line, note = None, ""
+    if after.any():
+        if not extend:
+            note = f"stopped at g={rung.last_progress:.3f}; extension off"
+        elif rung.last_progress < window[1] - _TOL:
+            note = (
+                f"stopped at g={rung.last_progress:.3f}, before the end of the {window[0]:.0%}–{window[1]:.0%} window"
+            )
+        elif (line := extension_line(rung, window)) is None:
+            note = (
+                f"stopped at g={rung.last_progress:.3f} with fewer than 2 evals in the "
+                f"{window[0]:.0%}–{window[1]:.0%} window"
+            )
+        else:
+            loss = np.where(after, line[0] + line[1] * g, loss)
+            extrapolated = after
+    return RungOnGrid(rung, loss, extrapolated, line, note)
+
+
+@dataclass(frozen=True)
+class PowerLaw:
+    """L(C) = E + A · C^−α (SPEC §9)."""
+
+    A: float
+    alpha: float
+    E: float
+
+    def __call__(self, compute: float | np.ndarray) -> float | np.ndarray:
+        return self.E + self.A * np.power(compute, -self.alpha)
+
+    def compute_needed(self, loss: float) -> float:
+        """C_need = (A / (L − E))^(1/α): the compute at which this law reaches `loss` (SPEC §9)."""
+        if not loss > self.E:
+            raise UserError(f"loss {loss:g} must be above the irreducible loss E = {self.E:g}")
+        if not self.alpha > 0 or not self.A > 0:
+            raise UserError(f"the law needs A > 0 and alpha > 0 (got A = {self.A:g}, alpha = {self.alpha:g})")
+        return float(np.exp((np.log(self.A) - np.log(loss - self.E)) / self.alpha))
+
+
+def fit_power_law(
+    compute: Float[np.ndarray, " rungs"], loss: Float[np.ndarray, " rungs"], irreducible: float
+) -> tuple[PowerLaw, float]:
+    """Least squares of log(L − E) = log A − α · log C over the rungs; returns the law and the RMS of the
+    residuals in log(L − E) (zero for two rungs or for rungs exactly on a power law)."""
+    compute, loss = np.asarray(compute, np.float64), np.asarray(loss, np.float64)
+    if len(np.unique(compute)) < 2:
+        raise UserError("the fit needs rungs at two or more different compute budgets")
+    if np.any(loss <= irreducible):
+        raise UserError(f"loss {loss.min():.4f} is not above the irreducible loss E = {irreducible:g}")
+    x, y = np.log(compute), np.log(loss - irreducible)
+    slope, intercept = np.polyfit(x, y, 1)
+    residual_rms = float(np.sqrt(np.mean((y - (intercept + slope * x)) ** 2)))
+    return PowerLaw(A=float(np.exp(intercept)), alpha=float(-slope), E=irreducible), residual_rms
+
+
+@dataclass(frozen=True)
+class ProgressFit:
+    """The fit at one progress g: the law over the rungs used, and the target's forecast."""
+
+    progress: float
+    law: PowerLaw | None  # None when fewer than two rungs have a loss at this g
+    target_compute: float  # g · C_target
+    forecast: float | None
+    rungs: tuple[str, ...]  # rungs in the fit
+    residual_rms: float | None
+
+
+@dataclass(frozen=True)
+class LadderFit:
+    irreducible: float
+    target_compute: float
+    grid: tuple[float, ...]
+    curves: tuple[RungOnGrid, ...]  # ascending compute
+    per_progress: tuple[ProgressFit, ...]
+
+    @property
+    def final(self) -> ProgressFit:
+        return self.per_progress[-1]
+
+    def extrapolated(self) -> list[dict[str, Any]]:
+        """Which rungs' points were extended past an early stop, at which g, from which line."""
+        out = []
+        for curve in self.curves:
+            if curve.extrapolated.any():
+                out.append(
+                    {
+                        "rung": curve.rung.name,
+                        "last_progress": curve.rung.last_progress,
+                        "progress": [g for g, e in zip(self.grid, curve.extrapolated, strict=True) if e],
+                        "window": list(EXTENSION_WINDOW),
+                        "intercept": curve.line[0],
+                        "slope": curve.line[1],
+                    }
+                )
+        return out
+
+
+def fit_ladder(
+    rungs: list[Rung],
+    target_compute: float,
+    *,
+    irreducible: float = IRREDUCIBLE_LOSS,
+    extend: bool = True,
+    grid: tuple[float, ...] = PROGRESS_GRID,
+) -> LadderFit:
+    """SPEC §9: at each g, fit the rungs that have a loss there and forecast `E + A_g · (g·C_target)^−α_g`."""
+    if len(rungs) < 2:
+        raise UserError(f"a ladder fit needs at least 2 rungs (got {len(rungs)})")
+    names = [r.name for r in rungs]
+    if len(set(names)) != len(names):
+        raise UserError(f"rung names must be distinct (got {', '.join(names)})")
+    if len({r.compute for r in rungs}) < 2:
+        raise UserError(
+            f"the fit needs rungs at two or more different compute budgets (all are C = {rungs[0].compute:.3g})"
+        )
+    if not target_compute > 0:
+        raise UserError(f"target compute must be positive (got {target_compute:g})")
+    curves = tuple(rung_on_grid(r, grid, extend=extend) for r in sorted(rungs, key=lambda r: r.compute))
+    fits = []
+    for i, g in enumerate(grid):
+        used = [c for c in curves if np.isfinite(c.loss[i])]
+        target_g = g * target_compute
+        if len({c.rung.compute for c in used}) < 2:
+            fits.append(ProgressFit(g, None, target_g, None, tuple(c.rung.name for c in used), None))
+            continue
+        for c in used:
+            if c.loss[i] <= irreducible:
+                kind = "extrapolated " if c.extrapolated[i] else ""
+                raise UserError(
+                    f"rung {c.rung.name}: {kind}loss {c.loss[i]:.4f} at g={g:.2f} is not above the irreducible "
+                    f"loss E = {irreducible:g}"
+                )
+        compute = np.asarray([g * c.rung.compute for c in used])
+        law, rms = fit_power_law(compute, np.asarray([c.loss[i] for c in used]), irreducible)
+        fits.append(ProgressFit(g, law, target_g, float(law(target_g)), tuple(c.rung.name for c in used), rms))
+    return LadderFit(irreducible, target_compute, tuple(grid), curves, tuple(fits))
+
+
+def compute_efficiency(law: PowerLaw, loss: float, compute: float) -> tuple[float, float]:
+    """(C_need, C_need / C): the compute the baseline law needs to reach a variant's loss, and that as a
+    multiple of the compute the variant used (SPEC §9; 1.18 means the baseline needs 18% more)."""
+    if not compute > 0:
+        raise UserError(f"compute must be positive (got {compute:g})")
+    c_need = law.compute_needed(loss)
+    return c_need, c_need / compute
+
+
+def write_ladder_plot(fit: LadderFit, path: Path, target_name: str = "target") -> Path:
+    """Two panels (PNG): the rungs' loss against progress with the target's forecast curve (the post's
+    Figure 11), and the final law against compute with the rungs and the target (Figure 12)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a cluster node
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise UserError(f"--plot {path}: directory {path.parent} does not exist")
+    grid = np.asarray(fit.grid)
+    fig, (by_progress, by_compute) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for n, curve in enumerate(fit.curves):
+        color = f"C{n}"
+        rung = curve.rung
+        by_progress.plot(rung.progress, rung.loss, "o-", ms=3, lw=1.2, color=color, label=rung.name)
+        if curve.extrapolated.any():
+            ext = curve.extrapolated
+            by_progress.plot(
+                grid[ext], curve.loss[ext], "o--", mfc="none", lw=1, color=color, label=f"{rung.name} (extrapolated)"
+            )
+    forecast = [(f.progress, f.forecast) for f in fit.per_progress if f.forecast is not None]
+    if forecast:
+        by_progress.plot(*zip(*forecast, strict=True), "k*--", lw=1.5, label=f"{target_name} forecast")
+    by_progress.set_xlabel("training progress g")
+    by_progress.set_ylabel("dropless eval macro loss (nats)")
+    by_progress.set_title("rungs and per-5% forecast")
+    # Frame the grid losses and the forecast: the step-0 eval (≈ log V) would squash every curve flat.
+    shown = np.concatenate([c.loss for c in fit.curves] + [np.asarray([f for _, f in forecast], np.float64)])
+    shown = shown[np.isfinite(shown)]
+    if shown.size and shown.max() > shown.min():
+        pad = 0.05 * (shown.max() - shown.min())
+        by_progress.set_ylim(shown.min() - pad, shown.max() + pad)
+
+    final = fit.final
+    if final.law is not None:
+        computes = np.asarray([c.rung.compute for c in fit.curves] + [fit.target_compute])
+        xs = np.geomspace(computes.min() / 2, computes.max() * 2, 200)
+        by_compute.plot(
+            xs, final.law(xs), "k-", lw=1, label=f"L = {final.law.E:g} + {final.law.A:.4g}·C^−{final.law.alpha:.4f}"
+        )
+        for n, curve in enumerate(fit.curves):
+            if np.isfinite(curve.loss[-1]):
+                hollow = bool(curve.extrapolated[-1])
+                by_compute.plot(
+                    curve.rung.compute,
+                    curve.loss[-1],
+                    "o",
+                    color=f"C{n}",
+                    mfc="none" if hollow else None,
+                    label=curve.rung.name,
+                )
+        by_compute.plot(
+            fit.target_compute,
+            final.forecast,
+            "k*",
+            ms=12,
+            label=f"{target_name}: {final.forecast:.4f} at {fit.target_compute:.3g}",
+        )
+    by_compute.set_xscale("log")
+    by_compute.set_xlabel("training FLOPs, excl. lm_head")
+    by_compute.set_ylabel("loss at g = 1")
+    by_compute.set_title(f"final fit (E = {fit.irreducible:g})")
+    for ax in (by_progress, by_compute):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp" + (path.suffix or ".png"))
+    fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    tmp.replace(path)  # a reader never sees a half-written PNG
+    return path
