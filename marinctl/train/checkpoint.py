@@ -109,7 +109,9 @@ class Checkpoints:
                 continue
             return Restored(step=step, state=flat, meta=meta, skipped=tuple(skipped))
         if skipped:
-            raise UserError(f"{self.directory}: no checkpoint restores (tried steps {skipped}); move the directory away")
+            raise UserError(
+                f"{self.directory}: no checkpoint restores (tried steps {skipped}); move the directory away"
+            )
         return None
 
     def wait(self) -> None:

@@ -112,7 +112,10 @@ def initialize(config: DistributedConfig | None) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     log.info(
         "jax.distributed: process %d of %d, coordinator %s (%s)",
-        config.process_id, config.num_processes, config.coordinator, config.source,
+        config.process_id,
+        config.num_processes,
+        config.coordinator,
+        config.source,
     )
     jax.distributed.initialize(
         coordinator_address=config.coordinator,

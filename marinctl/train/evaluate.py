@@ -24,7 +24,6 @@ from marinctl.model.transformer import build_model, model_params
 from marinctl.recipe import Recipe
 from marinctl.train.step import Batch, device_batch
 
-
 DENSE_EVAL_BYTES = 1 << 30
 
 
@@ -61,8 +60,15 @@ def compile_eval_step(recipe: Recipe, model_shardings, batch_sharding: NamedShar
 
 
 def evaluate(
-    eval_step: Callable, model, router_bias: Array, loader, recipe: Recipe, batch_sharding: NamedSharding,
-    *, process_index: int = 0, process_count: int = 1,
+    eval_step: Callable,
+    model,
+    router_bias: Array,
+    loader,
+    recipe: Recipe,
+    batch_sharding: NamedSharding,
+    *,
+    process_index: int = 0,
+    process_count: int = 1,
 ) -> dict[str, float]:
     """{"loss/<src>", "bpb/<src>", "tokens/<src>" per eval source, "macro_loss"} over `eval.batches`
     deterministic batches of each source (the same on every host; each host feeds its rows)."""

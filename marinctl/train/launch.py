@@ -42,8 +42,9 @@ def mesh_sizes(recipe: Recipe, n_devices: int) -> dict[str, int]:
 
 def _per_device(mem: Any) -> str:
     return (
-        f"{mem.total / GiB:.2f} GiB (params {mem.params / GiB:.2f} + optimizer {mem.optimizer / GiB:.2f} + grads "
-        f"{mem.gradients / GiB:.2f} + activations {mem.activations / GiB:.2f} + MoE buffers {mem.moe_buffers / GiB:.2f})"
+        f"{mem.total / GiB:.2f} GiB (params {mem.params / GiB:.2f} + optimizer {mem.optimizer / GiB:.2f} "
+        f"+ grads {mem.gradients / GiB:.2f} + activations {mem.activations / GiB:.2f} "
+        f"+ MoE buffers {mem.moe_buffers / GiB:.2f})"
     )
 
 
@@ -117,7 +118,7 @@ def dry_run(recipe: Recipe, n_devices: int | None = None) -> dict[str, Any]:
     total_bytes = 0
     for path, leaf in leaves.items():
         spec = sharding_of[path].spec
-        for dim, axes in zip(leaf.shape, tuple(spec) + (None,) * (len(leaf.shape) - len(spec))):
+        for dim, axes in zip(leaf.shape, tuple(spec) + (None,) * (len(leaf.shape) - len(spec)), strict=True):
             names = (axes,) if isinstance(axes, str) else tuple(axes or ())
             ways = math.prod(sizes[a] for a in names)
             if dim % ways:
@@ -143,8 +144,12 @@ def dry_run(recipe: Recipe, n_devices: int | None = None) -> dict[str, Any]:
             "gradients_est": estimate.gradients,
             "activations_est": estimate.activations,
             "moe_buffers_est": estimate.moe_buffers,
-            "total": per_device["model"] + per_device["opt_state"] + per_device["other"] + estimate.gradients
-            + estimate.activations + estimate.moe_buffers,
+            "total": per_device["model"]
+            + per_device["opt_state"]
+            + per_device["other"]
+            + estimate.gradients
+            + estimate.activations
+            + estimate.moe_buffers,
         },
         "planner_estimate": {k: v for k, v in estimate.__dict__.items()} | {"total": estimate.total},
     }

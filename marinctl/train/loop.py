@@ -221,7 +221,8 @@ class _Run:
         self.checkpoints = Checkpoints(ckpt_dir, recipe.checkpoint)
         table = param_table(recipe)
         self.monitor = HealthMonitor(
-            recipe.log, recipe.train.max_nonfinite_steps,
+            recipe.log,
+            recipe.train.max_nonfinite_steps,
             hyperball=tuple(p for p, s in table.items() if s.group in ("muonh", "adamh")),
             matrices=tuple(p for p, s in table.items() if s.init == "normal"),
         )
@@ -246,7 +247,8 @@ class _Run:
         local = [d for d in self.devices if d.process_index == self.process_index]
         self.peak, peak_source = device_peak_flops(local)
         self.metrics = MetricsLog(
-            run_dir / "metrics.jsonl", enabled=self.is_main,
+            run_dir / "metrics.jsonl",
+            enabled=self.is_main,
             sinks=make_sinks(recipe.log, run_dir, recipe_to_dict(recipe)) if self.is_main else [],
         )
         self.metrics.resume(start)
@@ -255,15 +257,16 @@ class _Run:
             from marinctl.train.display import header_table
 
             mesh = " x ".join(f"{k}={v}" for k, v in self.sizes.items())
+            where = f"{len(self.devices)} x {self.devices[0].device_kind} over {self.process_count} process(es)"
             rows = [
                 ("recipe", f"{recipe.name} ({recipe.source})"),
                 ("run dir", str(run_dir)),
-                ("devices", f"{len(self.devices)} x {self.devices[0].device_kind} over {self.process_count} process(es); mesh {mesh}"),
+                ("devices", f"{where}; mesh {mesh}"),
                 ("parameters", f"{counts.total:,} total, {counts.active:,} active"),
-                ("batch", f"{recipe.train.batch_size} x {recipe.train.seq_len} = {recipe.tokens_per_step:,} tokens/step, "
-                          f"{recipe.train.steps} steps, grad_accum {recipe.train.grad_accum}"),
-                ("optimizer", f"Adam {self.hp.adam_lr:.3g}, MuonH {self.hp.muonh_lr:.3g}, AdamH {self.hp.adamh_lr:.3g}; "
-                              f"warmup {self.hp.warmup_steps}"),
+                ("batch", f"{recipe.train.batch_size} x {recipe.train.seq_len} = {recipe.tokens_per_step:,} "
+                          f"tokens/step, {recipe.train.steps} steps, grad_accum {recipe.train.grad_accum}"),
+                ("optimizer", f"Adam {self.hp.adam_lr:.3g}, MuonH {self.hp.muonh_lr:.3g}, "
+                              f"AdamH {self.hp.adamh_lr:.3g}; warmup {self.hp.warmup_steps}"),
                 ("MoE", f"transport {recipe.moe.transport} (cf {recipe.moe.capacity_factor:g}), eval dropless via "
                         f"{eval_transport(recipe, len(self.devices))}, balancing {recipe.moe.balancing}"),
                 ("FLOPs", f"{self.flops.per_token:.4g}/token forward; MFU convention {FLOP_CONVENTION}"),
@@ -276,8 +279,13 @@ class _Run:
                 self.out.print(f"[yellow]skipped unreadable checkpoints {list(restored.skipped)}")
 
         summary = RunSummary(
-            steps=start, final_loss=None, eval_macro_loss=None, run_dir=str(run_dir), exit_reason="done",
-            resumed_from=start if restored else None, checkpoint_step=restored.step if restored else None,
+            steps=start,
+            final_loss=None,
+            eval_macro_loss=None,
+            run_dir=str(run_dir),
+            exit_reason="done",
+            resumed_from=start if restored else None,
+            checkpoint_step=restored.step if restored else None,
         )
         try:
             state = self._loop(state, start, summary)
@@ -411,10 +419,13 @@ class _Run:
                 record[f"param_norm/{path}"] = np.asarray(value).tolist()
             g = np.asarray(m.get("expert_grad_norm", np.zeros((0, 0))))
             if g.size:
-                record["expert_grad_norm_min_over_median"] = float(np.min(g / np.maximum(np.median(g, -1, keepdims=True), 1e-30)))
+                record["expert_grad_norm_min_over_median"] = float(
+                    np.min(g / np.maximum(np.median(g, -1, keepdims=True), 1e-30))
+                )
         try:
             warnings = self.monitor.observe(
-                step, finite=finite,
+                step,
+                finite=finite,
                 norms=m["param_norms"] if finite else None,
                 embed_grad_norm=float(m["embed_grad_norm"]) if "embed_grad_norm" in m else None,
                 expert_grad_norms=m.get("expert_grad_norm") if finite else None,
@@ -444,8 +455,14 @@ class _Run:
         if not self.recipe.eval.sources:
             return
         result = evaluate(
-            self.eval_step, state.model, state.router_bias, self.loader, self.recipe, self.batch_sharding,
-            process_index=self.process_index, process_count=self.process_count,
+            self.eval_step,
+            state.model,
+            state.router_bias,
+            self.loader,
+            self.recipe,
+            self.batch_sharding,
+            process_index=self.process_index,
+            process_count=self.process_count,
         )
         record = {"kind": "eval", "step": step, **result}
         self.metrics.write(record)
@@ -454,8 +471,10 @@ class _Run:
         summary.eval_macro_loss = result.get("macro_loss")
         summary.eval = {k: v for k, v in result.items() if not k.startswith("tokens/")}
         if self.show:
-            self.out.print(f"eval step {step}: macro loss {result.get('macro_loss', float('nan')):.4f}  " + "  ".join(
-                f"{s} {result[f'loss/{s}']:.4f}" for s in self.recipe.eval.sources))
+            self.out.print(
+                f"eval step {step}: macro loss {result.get('macro_loss', float('nan')):.4f}  "
+                + "  ".join(f"{s} {result[f'loss/{s}']:.4f}" for s in self.recipe.eval.sources)
+            )
         self._last_done = time.perf_counter()
 
     def _finish(self, summary: RunSummary) -> None:
@@ -469,8 +488,11 @@ class _Run:
         evals = [r for r in records if r.get("kind") == "eval"]
         if evals:
             summary.initial_eval_macro_loss = evals[0].get("macro_loss")
+        train = [r for r in records if r.get("kind") == "train" and r.get("loss") is not None]
+        if summary.final_loss is None and train:  # a re-run of a finished run trains nothing
+            summary.final_loss = train[-1]["loss"]
         if self._throughput:
-            steady = self._throughput[len(self._throughput) // 5:] or self._throughput  # skip the warm-up
+            steady = self._throughput[len(self._throughput) // 5 :] or self._throughput  # skip the warm-up
             summary.tokens_per_s = float(np.median([t["tokens_per_s"] for t in steady]))
             summary.mfu = float(np.median([t["mfu"] for t in steady]))
         try:

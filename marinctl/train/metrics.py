@@ -56,7 +56,7 @@ class MetricsLog:
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", buffering=1)  # line-buffered: readable while running
-        self._file.write(json.dumps(record, default=_json_default) + "\n")
+        self._file.write(json.dumps(_finite_or_null(record), default=_json_default, allow_nan=False) + "\n")
         for sink in self.sinks:
             sink.write(record)
 
@@ -78,6 +78,19 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 continue
     return out
+
+
+def _finite_or_null(value: Any) -> Any:
+    """NaN and infinities become null: strict JSON has no such numbers (a skipped step's loss is NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    if hasattr(value, "tolist"):
+        return _finite_or_null(value.tolist())
+    return value
 
 
 def _json_default(value: Any) -> Any:
@@ -123,7 +136,11 @@ class WandbSink:
             raise UserError("log.wandb = true needs wandb: pip install 'marinctl[wandb]'") from None
         run_id = "".join(c if c.isalnum() else "-" for c in run_dir.absolute().as_posix()).strip("-")[-64:]
         self._run = wandb.init(
-            project=project, dir=str(run_dir), id=run_id, resume="allow", config=config,
+            project=project,
+            dir=str(run_dir),
+            id=run_id,
+            resume="allow",
+            config=config,
             mode=os.environ.get("WANDB_MODE", "offline"),
         )
 

@@ -124,9 +124,11 @@ class HealthMonitor:
         if norms is not None:
             for name, rel in hyperball_drift(norms, self.initial_norms, cfg.norm_drift_tol):
                 warnings.append(f"step {step}: hyperball matrix {name} is {rel:.2%} off its initial norm")
-            watched = self.previous_norms if self.matrices is None else {
-                k: v for k, v in self.previous_norms.items() if k in self.matrices
-            }
+            watched = (
+                self.previous_norms
+                if self.matrices is None
+                else {k: v for k, v in self.previous_norms.items() if k in self.matrices}
+            )
             for name, rel in norm_jumps(norms, watched, cfg.norm_jump_tol):
                 warnings.append(f"step {step}: norm of {name} changed by {rel:.0%} in one step")
             self.previous_norms = {k: _tolist(v) for k, v in norms.items()}
@@ -148,7 +150,7 @@ class HealthMonitor:
         self.dead_streak, self.warned_dead = streak.tolist(), warned.tolist()
         return [
             f"step {step}: expert {e} of layer {layer} has had a near-zero gradient for {DEAD_EXPERT_PATIENCE} steps"
-            for layer, e in zip(*np.nonzero(newly))
+            for layer, e in zip(*np.nonzero(newly), strict=True)
         ]
 
     def state_dict(self) -> dict[str, Any]:

@@ -6,14 +6,16 @@ root RNG key and the count of skipped non-finite steps. All leaves are arrays, s
 sharded, donated and checkpointed as one pytree.
 """
 
+# ruff: noqa: F722 (jaxtyping shape strings are not Python expressions)
+
 from __future__ import annotations
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, Float, Int, UInt32
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxtyping import Array, Float, Int, UInt32
 
 from marinctl.model.transformer import Transformer, init_model
 from marinctl.optim import build_optimizer, optimizer_state_shardings

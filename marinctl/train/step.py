@@ -65,7 +65,9 @@ def gradient_norms(grads) -> dict[str, Array]:
         out["embed_grad_norm"] = jnp.sqrt(squares["embed.weight"])
     experts = [named[p] for p in EXPERT_PATHS if p in named]
     if experts:  # [L, E, in, out] each: reduce the matrix axes
-        out["expert_grad_norm"] = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32)), axis=(2, 3)) for g in experts))
+        out["expert_grad_norm"] = jnp.sqrt(
+            sum(jnp.sum(jnp.square(g.astype(jnp.float32)), axis=(2, 3)) for g in experts)
+        )
     return out
 
 

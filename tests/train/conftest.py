@@ -110,8 +110,11 @@ class Runner:
 
     def launch(self, args: list[str], env: dict | None = None) -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-m", "marinctl.cli", *args], env={**self.env, **(env or {})},
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [sys.executable, "-m", "marinctl.cli", *args],
+            env={**self.env, **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
 
     @staticmethod

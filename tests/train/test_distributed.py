@@ -22,8 +22,11 @@ def test_single_process_needs_no_runtime():
 
 def test_slurm_variables_give_coordinator_count_and_id():
     env = {
-        "SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_STEP_NODELIST": "gb200-[017-018]",
-        "SLURM_JOB_NODELIST": "other", "SLURM_JOB_ID": "4242",
+        "SLURM_PROCID": "3",
+        "SLURM_NTASKS": "8",
+        "SLURM_STEP_NODELIST": "gb200-[017-018]",
+        "SLURM_JOB_NODELIST": "other",
+        "SLURM_JOB_ID": "4242",
     }
     assert resolve_distributed(env=env) == DistributedConfig("gb200-017:12587", 8, 3, "slurm")
     assert resolve_distributed(env={**env, "MARINCTL_COORDINATOR_PORT": "999"}).coordinator == "gb200-017:999"

@@ -39,7 +39,12 @@ def reference(micro_recipe_path, tmp_path_factory):
     recipe = load_recipe(micro_recipe_path)
     run_dir = tmp_path_factory.mktemp("reference")
     summary = run(recipe, RunOptions(run_dir=run_dir, quiet=True))
-    return {"recipe": recipe, "run_dir": run_dir, "summary": summary, "losses": [r["loss"] for r in train_records(run_dir)]}
+    return {
+        "recipe": recipe,
+        "run_dir": run_dir,
+        "summary": summary,
+        "losses": [r["loss"] for r in train_records(run_dir)],
+    }
 
 
 def test_uninterrupted_run_keeps_the_metric_contract_and_lowers_the_eval_loss(reference):
@@ -111,8 +116,9 @@ def test_two_processes_of_four_devices_match_one_process_of_eight(reference, run
     port = runner.free_port()
     procs = [
         runner.launch(
-            ["train", str(micro_recipe_path), "--run-dir", str(run_dir), "--json", "--quiet", "--set", "eval.sources=[]",
-             "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+            ["train", str(micro_recipe_path), "--run-dir", str(run_dir), "--json", "--quiet",
+             "--set", "eval.sources=[]", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+             "--process-id", str(i)],
             env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
         )
         for i in range(2)

@@ -66,3 +66,14 @@ def test_records_are_json_lines_with_arrays_as_lists(tmp_path):
     log.write({"kind": "train", "step": 0, "drop_frac_per_layer": np.array([0.0, 0.5])})
     log.close()
     assert json.loads(path.read_text()) == {"kind": "train", "step": 0, "drop_frac_per_layer": [0.0, 0.5]}
+
+
+def test_non_finite_numbers_are_written_as_null_so_every_line_is_strict_json(tmp_path):
+    import numpy as np
+
+    path = tmp_path / "m.jsonl"
+    log = MetricsLog(path, enabled=True)
+    log.write({"kind": "train", "step": 3, "loss": float("nan"), "per_layer": np.array([1.0, np.inf])})
+    log.close()
+    record = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"non-standard JSON {c}"))
+    assert record == {"kind": "train", "step": 3, "loss": None, "per_layer": [1.0, None]}

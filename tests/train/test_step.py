@@ -53,3 +53,32 @@ def test_finite_step_updates_the_model_and_replaces_the_router_bias_with_centred
     assert bias.shape == (recipe.model.num_layers, recipe.moe.num_experts)
     np.testing.assert_allclose(bias.mean(axis=-1), 0.0, atol=1e-6)  # b = -(β - mean β)
     assert np.abs(bias).max() > 0
+
+
+def test_grad_accumulation_equals_the_full_batch_loss_and_gradient(micro_recipe_path):
+    """Dropless routing is per token, so two token-weighted micro-batches must give the full batch's
+    loss and gradient (QB's β is an average of the micro-batches' estimates, not compared)."""
+    import dataclasses
+
+    from marinctl.model.transformer import init_model
+    from marinctl.train.step import loss_and_grads
+
+    base = load_recipe(micro_recipe_path, ["moe.transport=dense", "parallel.expert=1"])
+    host = Loader(base).batch(0)
+    host["loss_mask"][: len(host["loss_mask"]) // 2, ::3] = 0.0  # micro-batches with unequal token counts
+    mesh = make_mesh(base.parallel, jax.devices()[:2])
+    results = []
+    with jax.set_mesh(mesh):
+        model = init_model(base, jax.random.key(0))
+        bias = jax.numpy.zeros((base.model.num_layers, base.moe.num_experts))
+        batch = device_batch(host, batch_sharding(mesh), base.train.batch_size)
+        for accum in (1, 2):
+            recipe = base.replace(train=dataclasses.replace(base.train, grad_accum=accum))
+            loss, aux, grads = jax.jit(lambda m, b, r=recipe: loss_and_grads(m, b, bias, r))(model, batch)
+            results.append(jax.device_get((loss, aux, grads)))
+    (loss1, aux1, g1), (loss2, aux2, g2) = results
+    np.testing.assert_allclose(loss2, loss1, rtol=1e-6)
+    np.testing.assert_allclose(aux2["ce"], aux1["ce"], rtol=1e-6)
+    np.testing.assert_array_equal(aux2["expert_load"], aux1["expert_load"])
+    for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-7)

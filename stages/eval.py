@@ -1,0 +1,126 @@
+"""`marinctl eval RUN_DIR`: the dropless evaluation of a run's checkpoint, outside the training loop.
+
+The run dir's resolved recipe (plus `--set`) names the eval sources and batches; the checkpoint's model
+and QB router bias are restored into the training layout and evaluated with the trainer's own eval
+step (`marinctl.train.evaluate`), so the numbers equal the run's in-loop `eval` records at that step.
+Dropless (the `dense` transport, or `ragged` when dense would not fit; SPEC 6) is the default;
+`--transport fixed|pooled` evaluates with the drops a training transport makes, which measures
+their cost against the dropless loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from marinctl.errors import UserError
+from marinctl.stage import JsonOpt, QuietOpt, SetOpt, Stage, VerboseOpt, console, emit_json, open_recipe, setup_logging
+
+TRANSPORTS = ("dense", "fixed", "pooled", "ragged")
+
+
+def evaluate_run(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory written by `marinctl train`.", show_default=False)],
+    step: Annotated[int | None, typer.Option("--step", help="Checkpoint step (default: the newest).")] = None,
+    overrides: SetOpt = None,
+    dropless: Annotated[
+        bool,
+        typer.Option(
+            "--dropless", help="Every routed assignment computed (dense, or ragged when dense won't fit). Default."
+        ),
+    ] = False,
+    transport: Annotated[
+        str | None,
+        typer.Option(
+            "--transport", help=f"Evaluate with this MoE transport instead ({'|'.join(TRANSPORTS)}): the drop cost."
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = 0,
+) -> None:
+    """Evaluate a checkpoint: per-source loss and bits per byte, and the macro loss (dropless by default)."""
+    setup_logging(quiet, verbose)
+    if transport is not None and transport not in TRANSPORTS:
+        raise UserError(f"--transport {transport!r}: choose one of {', '.join(TRANSPORTS)}")
+    if dropless and transport is not None:
+        raise UserError(f"--dropless and --transport {transport}: choose one")
+    from marinctl.restore import run_recipe_path
+
+    recipe = open_recipe(run_recipe_path(run_dir), overrides)  # [runtime] applied before JAX starts
+    if not recipe.eval.sources:
+        raise UserError(f"{run_dir}: eval.sources is empty: name the sources to evaluate with --set eval.sources=...")
+    result = run_eval(recipe, run_dir, step, transport)
+    if as_json:
+        emit_json(result)
+    elif not quiet:
+        _print(result, recipe.eval.sources)
+
+
+def run_eval(recipe, run_dir: Path, step: int | None, transport: str | None) -> dict[str, Any]:
+    """{step, transport, dropless, macro_loss, loss/<src>, bpb/<src>, tokens/<src>} for one checkpoint."""
+    from marinctl.train.loop import configure_jax
+
+    configure_jax()
+    import jax
+
+    from marinctl.data.builtin import ensure_builtin_corpus
+    from marinctl.data.loader import Loader
+    from marinctl.model.transformer import build_model
+    from marinctl.restore import restore_weights
+    from marinctl.routing.mesh import batch_sharding, make_mesh, param_shardings
+    from marinctl.train.evaluate import compile_eval_step, eval_sums, eval_transport, evaluate
+
+    devices = jax.devices()
+    eval_rows = recipe.eval.batch_size or recipe.train.batch_size
+    if eval_rows % len(devices):
+        raise UserError(f"{recipe.source}: eval.batch_size: {eval_rows} rows do not split over {len(devices)} devices")
+    mesh = make_mesh(recipe.parallel, devices)
+    rows = batch_sharding(mesh)
+    ensure_builtin_corpus(recipe)  # as `marinctl train` does: the built-in eval stores are a rebuildable cache
+    loader = Loader(recipe)  # missing eval data fails here, before the checkpoint is read
+    weights = restore_weights(recipe, run_dir, step, mesh)
+    with jax.set_mesh(mesh):
+        model = build_model(recipe, weights.params)
+        shardings = param_shardings(model, recipe, mesh)
+        if transport is None:  # exactly the trainer's in-loop eval step
+            used = eval_transport(recipe, mesh.size)
+            eval_step = compile_eval_step(recipe, shardings, rows)
+        else:
+            used = transport
+            chosen = recipe.replace(moe=dataclasses.replace(recipe.moe, transport=transport))
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            eval_step = jax.jit(
+                lambda model, bias, batch: eval_sums(model, bias, batch, chosen),
+                in_shardings=(shardings, replicated, rows),
+                out_shardings=replicated,
+            )
+        sums = evaluate(eval_step, model, weights.router_bias, loader, recipe, rows)
+    return {
+        "run_dir": str(run_dir),
+        "step": weights.step,
+        "transport": used,
+        # ragged drops only when its receive buffer is bounded (moe.ragged_buffer_factor)
+        "dropless": used == "dense" or (used == "ragged" and recipe.moe.ragged_buffer_factor is None),
+        "macro_loss": sums["macro_loss"],
+        **{k: v for k, v in sums.items() if k != "macro_loss"},
+    }
+
+
+def _print(result: dict[str, Any], sources: tuple[str, ...]) -> None:
+    from marinctl.train.display import eval_table
+
+    table = eval_table(None, result, sources)
+    kind = "dropless" if result["dropless"] else "with drops"
+    table.title = f"eval at step {result['step']} ({kind}, {result['transport']} transport)"
+    console().print(table)
+
+
+stage = Stage(
+    name="eval",
+    help="Evaluate a run's checkpoint (dropless by default): per-source loss, bits/byte, macro.",
+    command=evaluate_run,
+)
