@@ -4,10 +4,12 @@ _marinctl() {
     cur="${COMP_WORDS[COMP_CWORD]}"
     cmd="${COMP_WORDS[1]}"
     if [[ $COMP_CWORD -eq 1 ]]; then
-        COMPREPLY=($(compgen -W "ladder plan plot tokenize train --install-completion --show-completion --version" -- "$cur"))
+        COMPREPLY=($(compgen -W "eval export ladder plan plot tokenize train --install-completion --show-completion --version" -- "$cur"))
         return
     fi
     case "$cmd" in
+        eval) opts="--dropless --json --quiet --set --step --transport --verbose -q -v --help" ;;
+        export) opts="--dtype --json --out --overwrite --quiet --set --step --verbose -q -v --help" ;;
         ladder) opts="efficiency fit --A --E --alpha --compute --extend --irreducible --json --loss --no-extend --plot --quiet --set --target -q --help" ;;
         plan) opts="--devices --json --quiet --set --verbose -q -v --help" ;;
         plot) opts="--json --quiet -q --help" ;;
