@@ -193,15 +193,15 @@ class _Run:
     def execute(self) -> RunSummary:
         import jax
 
-        from marinctl.counting import count_params, flops_per_token
+        from marinctl.counting import flops_per_token
         from marinctl.data.builtin import ensure_builtin_corpus
         from marinctl.data.loader import Loader
         from marinctl.hparams import hyperparams
         from marinctl.params import param_table
         from marinctl.routing.mesh import batch_sharding, make_mesh
         from marinctl.train.checkpoint import Checkpoints, unflatten_like
-        from marinctl.train.evaluate import compile_eval_step, eval_transport
-        from marinctl.train.metrics import FLOP_CONVENTION, MetricsLog, device_peak_flops, make_sinks
+        from marinctl.train.evaluate import compile_eval_step
+        from marinctl.train.metrics import MetricsLog, device_peak_flops, make_sinks
         from marinctl.train.monitors import HealthMonitor
         from marinctl.train.state import abstract_state, init_state, make_optimizer, state_shardings, with_shardings
         from marinctl.train.step import compile_param_norms, compile_train_step
@@ -219,84 +219,93 @@ class _Run:
 
         ckpt_dir = Path(recipe.checkpoint.dir) if recipe.checkpoint.dir else run_dir / "checkpoints"
         self.checkpoints = Checkpoints(ckpt_dir, recipe.checkpoint)
-        table = param_table(recipe)
-        self.monitor = HealthMonitor(
-            recipe.log,
-            recipe.train.max_nonfinite_steps,
-            hyperball=tuple(p for p, s in table.items() if s.group in ("muonh", "adamh")),
-            matrices=tuple(p for p, s in table.items() if s.init == "normal"),
-        )
-        with jax.set_mesh(self.mesh):
-            restored = self.checkpoints.restore_latest(abstract)
-            if restored is not None:
-                state = unflatten_like(abstract, restored.state)
-                self.monitor.load_state_dict(restored.meta["monitors"])
-                start = restored.step
-            else:
-                state = jax.jit(lambda: init_state(recipe, optimizer), out_shardings=shardings)()
-                start = 0
-            t0 = time.perf_counter()
-            self.train_step = compile_train_step(recipe, optimizer, shardings, self.batch_sharding)
-            self.eval_step = compile_eval_step(recipe, shardings.model, self.batch_sharding)
-            compile_s = time.perf_counter() - t0
-            if restored is None:
-                self.monitor.start(jax.device_get(compile_param_norms(recipe, shardings)(state)))
-
-        self.hp = hyperparams(recipe)
-        self.flops = flops_per_token(recipe)
-        local = [d for d in self.devices if d.process_index == self.process_index]
-        self.peak, peak_source = device_peak_flops(local)
-        self.metrics = MetricsLog(
-            run_dir / "metrics.jsonl",
-            enabled=self.is_main,
-            sinks=make_sinks(recipe.log, run_dir, recipe_to_dict(recipe)) if self.is_main else [],
-        )
-        self.metrics.resume(start)
-        counts = count_params(recipe)
-        if self.show:
-            from marinctl.train.display import header_table
-
-            mesh = " x ".join(f"{k}={v}" for k, v in self.sizes.items())
-            where = f"{len(self.devices)} x {self.devices[0].device_kind} over {self.process_count} process(es)"
-            rows = [
-                ("recipe", f"{recipe.name} ({recipe.source})"),
-                ("run dir", str(run_dir)),
-                ("devices", f"{where}; mesh {mesh}"),
-                ("parameters", f"{counts.total:,} total, {counts.active:,} active"),
-                ("batch", f"{recipe.train.batch_size} x {recipe.train.seq_len} = {recipe.tokens_per_step:,} "
-                          f"tokens/step, {recipe.train.steps} steps, grad_accum {recipe.train.grad_accum}"),
-                ("optimizer", f"Adam {self.hp.adam_lr:.3g}, MuonH {self.hp.muonh_lr:.3g}, "
-                              f"AdamH {self.hp.adamh_lr:.3g}; warmup {self.hp.warmup_steps}"),
-                ("MoE", f"transport {recipe.moe.transport} (cf {recipe.moe.capacity_factor:g}), eval dropless via "
-                        f"{eval_transport(recipe, len(self.devices))}, balancing {recipe.moe.balancing}"),
-                ("FLOPs", f"{self.flops.per_token:.4g}/token forward; MFU convention {FLOP_CONVENTION}"),
-                ("peak", f"{self.peak / 1e12:.3f} TFLOP/s per device ({peak_source})"),
-                ("start", f"resumed from step {start}" if restored else "fresh"),
-                ("compile", f"{compile_s:.1f}s"),
-            ]  # fmt: skip
-            self.out.print(header_table(rows, "marinctl train"))
-            if restored and restored.skipped:
-                self.out.print(f"[yellow]skipped unreadable checkpoints {list(restored.skipped)}")
-
-        summary = RunSummary(
-            steps=start,
-            final_loss=None,
-            eval_macro_loss=None,
-            run_dir=str(run_dir),
-            exit_reason="done",
-            resumed_from=start if restored else None,
-            checkpoint_step=restored.step if restored else None,
-        )
+        self.metrics = None
         try:
+            table = param_table(recipe)
+            self.monitor = HealthMonitor(
+                recipe.log,
+                recipe.train.max_nonfinite_steps,
+                hyperball=tuple(p for p, s in table.items() if s.group in ("muonh", "adamh")),
+                matrices=tuple(p for p, s in table.items() if s.init == "normal"),
+            )
+            with jax.set_mesh(self.mesh):
+                restored = self.checkpoints.restore_latest(abstract)
+                if restored is not None:
+                    state = unflatten_like(abstract, restored.state)
+                    self.monitor.load_state_dict(restored.meta["monitors"])
+                    start = restored.step
+                else:
+                    state = jax.jit(lambda: init_state(recipe, optimizer), out_shardings=shardings)()
+                    start = 0
+                t0 = time.perf_counter()
+                self.train_step = compile_train_step(recipe, optimizer, shardings, self.batch_sharding)
+                self.eval_step = compile_eval_step(recipe, shardings.model, self.batch_sharding)
+                compile_s = time.perf_counter() - t0
+                if restored is None:
+                    self.monitor.start(jax.device_get(compile_param_norms(recipe, shardings)(state)))
+
+            self.hp = hyperparams(recipe)
+            self.flops = flops_per_token(recipe)
+            local = [d for d in self.devices if d.process_index == self.process_index]
+            self.peak, peak_source = device_peak_flops(local)
+            self.metrics = MetricsLog(
+                run_dir / "metrics.jsonl",
+                enabled=self.is_main,
+                sinks=make_sinks(recipe.log, run_dir, recipe_to_dict(recipe)) if self.is_main else [],
+            )
+            self.metrics.resume(start)
+            if self.show:
+                self._header(start, restored, compile_s, peak_source)
+
+            summary = RunSummary(
+                steps=start,
+                final_loss=None,
+                eval_macro_loss=None,
+                run_dir=str(run_dir),
+                exit_reason="done",
+                resumed_from=start if restored else None,
+                checkpoint_step=restored.step if restored else None,
+            )
             state = self._loop(state, start, summary)
         finally:
             self.checkpoints.wait()
             self.checkpoints.close()
-            self.metrics.close()
+            if self.metrics is not None:
+                self.metrics.close()
         if summary.exit_reason == "done" and self.is_main:
             self._finish(summary)
         summary.wall_s = time.perf_counter() - self.wall_start
         return summary
+
+    def _header(self, start: int, restored, compile_s: float, peak_source: str) -> None:
+        """What runs where, and the FLOP convention behind MFU (the issue asks for it in the header)."""
+        from marinctl.counting import count_params
+        from marinctl.train.display import header_table
+        from marinctl.train.evaluate import eval_transport
+        from marinctl.train.metrics import FLOP_CONVENTION
+
+        recipe, hp, counts = self.recipe, self.hp, count_params(self.recipe)
+        mesh = " x ".join(f"{k}={v}" for k, v in self.sizes.items())
+        where = f"{len(self.devices)} x {self.devices[0].device_kind} over {self.process_count} process(es)"
+        rows = [
+            ("recipe", f"{recipe.name} ({recipe.source})"),
+            ("run dir", str(self.options.run_dir)),
+            ("devices", f"{where}; mesh {mesh}"),
+            ("parameters", f"{counts.total:,} total, {counts.active:,} active"),
+            ("batch", f"{recipe.train.batch_size} x {recipe.train.seq_len} = {recipe.tokens_per_step:,} "
+                      f"tokens/step, {recipe.train.steps} steps, grad_accum {recipe.train.grad_accum}"),
+            ("optimizer", f"Adam {hp.adam_lr:.3g}, MuonH {hp.muonh_lr:.3g}, AdamH {hp.adamh_lr:.3g}; "
+                          f"warmup {hp.warmup_steps}"),
+            ("MoE", f"transport {recipe.moe.transport} (cf {recipe.moe.capacity_factor:g}), eval dropless via "
+                    f"{eval_transport(recipe, len(self.devices))}, balancing {recipe.moe.balancing}"),
+            ("FLOPs", f"{self.flops.per_token:.4g}/token forward; MFU convention {FLOP_CONVENTION}"),
+            ("peak", f"{self.peak / 1e12:.3f} TFLOP/s per device ({peak_source})"),
+            ("start", f"resumed from step {start}" if restored else "fresh"),
+            ("compile", f"{compile_s:.1f}s"),
+        ]  # fmt: skip
+        self.out.print(header_table(rows, "marinctl train"))
+        if restored and restored.skipped:
+            self.out.print(f"[yellow]skipped unreadable checkpoints {list(restored.skipped)}")
 
     def _corpus(self, ensure: Callable) -> None:
         """Build the built-in corpus once: process 0 first, then the others find it (shared or local)."""

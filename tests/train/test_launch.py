@@ -40,3 +40,18 @@ def test_a_batch_that_does_not_split_over_the_devices_is_a_user_error(tmp_path, 
     code = run(["train", TINY, "--run-dir", str(tmp_path / "r"), "--set", "train.batch_size=12"])
     assert code == 2
     assert "12 rows per micro-batch do not split over 8 devices" in capsys.readouterr().err
+
+
+def test_state_that_cannot_fit_device_memory_fails_fast_naming_the_figures(monkeypatch):
+    import jax
+    import pytest
+
+    from marinctl.errors import UserError
+    from marinctl.train import launch
+
+    recipe = load_recipe(TINY)
+    monkeypatch.setattr(launch, "device_memory_bytes", lambda device, n: 1 << 20)  # a 1 MiB device
+    with pytest.raises(UserError, match=r"per device on mesh replica=1 x data=8 x expert=1, but a cpu device"):
+        launch.check_fits(recipe, jax.devices())
+    monkeypatch.setattr(launch, "device_memory_bytes", lambda device, n: 1 << 40)
+    assert launch.check_fits(recipe, jax.devices()) == {"replica": 1, "data": 8, "expert": 1}
