@@ -27,7 +27,6 @@ stats (entropy, max/mean load, drop fraction) are in `marinctl.routing.quantile_
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 

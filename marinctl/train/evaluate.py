@@ -36,7 +36,9 @@ def eval_transport(recipe: Recipe, n_devices: int) -> str:
 
 
 def dropless_recipe(recipe: Recipe, n_devices: int) -> Recipe:
-    return recipe.replace(moe=dataclasses.replace(recipe.moe, transport=eval_transport(recipe, n_devices)))
+    # ragged is dropless only with its worst-case buffer: clear any `ragged_buffer_factor` bound.
+    moe = dataclasses.replace(recipe.moe, transport=eval_transport(recipe, n_devices), ragged_buffer_factor=None)
+    return recipe.replace(moe=moe)
 
 
 def eval_sums(model, router_bias: Array, batch: Batch, recipe: Recipe) -> tuple[Array, Array]:
