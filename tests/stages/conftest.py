@@ -10,41 +10,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 MICRO = """
-extends = "{tiny}"
-name = "micro"
-
-[model]
-hidden = 64
-num_layers = 2
-num_heads = 2
-head_dim = 32
-gated_norm = false
-sconv_sites = []
-
-[attention]
-local_kv_heads = 1
-global_kv_heads = 1
-window = 16
-
-[moe]
-num_experts = 8
-top_k = 2
-expert_width = 32
-latent_width = 32
-shared_experts = 0
-transport = "fixed"
-capacity_factor = 1.0
-qb_bins = 256
+extends = "{micro}"
 
 [train]
-seq_len = 32
-batch_size = 8
 steps = 2
-
-[parallel]
-replica = 1
-data = -1
-expert = 2
 
 [data]
 root = "{data}"
@@ -71,7 +40,7 @@ def trained_run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("micro_run")
     path = root / "micro.toml"
-    path.write_text(MICRO.format(tiny=REPO / "recipes" / "tiny.toml", data=root / "data"))
+    path.write_text(MICRO.format(micro=REPO / "tests" / "micro.toml", data=root / "data"))
     recipe = load_recipe(path)
     run_dir = root / "run"
     summary = run(recipe, RunOptions(run_dir=run_dir, quiet=True))

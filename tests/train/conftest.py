@@ -15,47 +15,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-# The hero recipe shrunk until a step compiles and runs in seconds on 2 cores. Expert parallelism is on
-# (data 4 x expert 2 on 8 devices) with the fixed transport at capacity factor 1, so tokens are dropped.
-# GatedNorm, SConv and the shared experts are off: they are the model's business (tests/model), the
-# trainer does not see them, and without them the step compiles in less than half the time. The README
-# demo (`recipes/tiny.toml`) trains with every component on.
+# tests/micro.toml (shared with tests/stages) plus this run's steps, data, checkpoint and eval cadence.
 MICRO = """
-extends = "{tiny}"
-name = "micro"
-
-[model]
-hidden = 64
-num_layers = 2
-num_heads = 2
-head_dim = 32
-gated_norm = false
-sconv_sites = []
-
-[attention]
-local_kv_heads = 1
-global_kv_heads = 1
-window = 16
-
-[moe]
-num_experts = 8
-top_k = 2
-expert_width = 32
-latent_width = 32
-shared_experts = 0
-transport = "fixed"
-capacity_factor = 1.0
-qb_bins = 256
+extends = "{micro}"
 
 [train]
-seq_len = 32
-batch_size = 8
 steps = {steps}
-
-[parallel]
-replica = 1
-data = -1
-expert = 2
 
 [data]
 root = "{data}"
@@ -97,7 +62,7 @@ def micro_recipe_path(tmp_path_factory, train_env):
 
     root = tmp_path_factory.mktemp("micro")
     path = root / "micro.toml"
-    path.write_text(MICRO.format(tiny=REPO / "recipes" / "tiny.toml", data=root / "data", steps=STEPS))
+    path.write_text(MICRO.format(micro=REPO / "tests" / "micro.toml", data=root / "data", steps=STEPS))
     ensure_builtin_corpus(load_recipe(path))  # once, before any run races to build it
     return path
 
