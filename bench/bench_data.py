@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+import jax
 
 from marinctl.counting import flops_per_token
 from marinctl.data.builtin import code_split, docs_split, ensure_builtin_corpus
@@ -30,6 +30,7 @@ from marinctl.data.loader import Loader
 from marinctl.data.readers import discover_inputs
 from marinctl.data.tokenizer import ByteTokenizer, train_tokenizer
 from marinctl.recipe import load_recipe
+from marinctl.train.metrics import measure_matmul_peak
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,13 +74,6 @@ def bench_tokenize(work: Path, repeat: int, vocab: int) -> dict:
     }
 
 
-def matmul_flops_per_s(n: int = 1024, reps: int = 5) -> float:
-    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
-    a @ a  # warm-up
-    _, seconds = timed(lambda: [a @ a for _ in range(reps)])
-    return 2 * n**3 * reps / seconds
-
-
 def bench_loader(work: Path, train_tokens_per_s: float | None) -> dict:
     recipe = load_recipe(REPO / "recipes" / "tiny.toml")
     _, build_s = timed(ensure_builtin_corpus, recipe, root=work / "data")
@@ -90,7 +84,7 @@ def bench_loader(work: Path, train_tokens_per_s: float | None) -> dict:
     with loader.iterate(0) as batches:
         _, iterate_s = timed(lambda: sum(1 for _ in batches))
     tokens = steps * recipe.tokens_per_step
-    peak = matmul_flops_per_s()
+    peak = measure_matmul_peak(jax.devices()[:1])  # the trainer's CPU MFU denominator
     train_flops_per_token = 3 * flops_per_token(recipe).per_token
     ceiling = peak / train_flops_per_token
     out = {
