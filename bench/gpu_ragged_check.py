@@ -4,7 +4,8 @@ XLA:CPU has no ragged all-to-all, so the CPU test suite runs the emulated exchan
 path. On a GPU (or TPU) box this script runs it on every local device, over an expert axis spanning
 them all, and prints:
   - max |ragged − dense| of the forward output and of the gradients w.r.t. u, combine and the expert
-    weights (and the same for the CPU-style emulated exchange, run on the GPU for comparison);
+    weights (and the same for the CPU paths, the emulated exchange and the grouped tiles, run on the
+    GPU for comparison);
   - the same for `fixed` and `pooled` at a capacity where nothing can drop;
   - step time (forward + backward) of every transport, and as a ratio to `dense`, measured side by
     side, with `fixed`/`pooled` at the recipe-like capacity factor `--cf`;
@@ -100,8 +101,9 @@ def main() -> int:
 
     candidates = {
         "dense": (get_transport("dense"), roomy),
-        "ragged (ragged_all_to_all)": (ragged_transport(native=True), roomy),
-        "ragged (emulated exchange)": (ragged_transport(native=False), roomy),
+        "ragged (ragged_all_to_all)": (ragged_transport("native"), roomy),
+        "ragged (emulated exchange)": (ragged_transport("emulated"), roomy),
+        "ragged (CPU grouped tiles)": (ragged_transport("grouped"), roomy),
         "fixed (no-drop capacity)": (get_transport("fixed"), roomy),
         "pooled (no-drop capacity)": (get_transport("pooled"), roomy),
         f"fixed (cf {args.cf})": (get_transport("fixed"), tight),

@@ -4,17 +4,21 @@ _marinctl() {
     cur="${COMP_WORDS[COMP_CWORD]}"
     cmd="${COMP_WORDS[1]}"
     if [[ $COMP_CWORD -eq 1 ]]; then
-        COMPREPLY=($(compgen -W "eval export ladder plan plot tokenize train --install-completion --show-completion --version" -- "$cur"))
+        COMPREPLY=($(compgen -W "eval eval-dropless export extend-context import ladder plan plot switch-ep tokenize train --install-completion --show-completion --version" -- "$cur"))
         return
     fi
     case "$cmd" in
-        eval) opts="--dropless --json --quiet --set --step --transport --verbose -q -v --help" ;;
-        export) opts="--dtype --json --out --overwrite --quiet --set --step --verbose -q -v --help" ;;
-        ladder) opts="efficiency fit --A --E --alpha --compute --extend --irreducible --json --loss --no-extend --plot --quiet --set --target -q --help" ;;
+        eval) opts="--batch-size --dropless --include-path --json --limit --quiet --seq-len --set --step --tasks --transport --verbose -q -v --help" ;;
+        eval-dropless) opts="--json --quiet --seq-len --set --step --verbose -q -v --help" ;;
+        export) opts="--dtype --format --json --max-shard-size --out --overwrite --quiet --set --step --verbose -q -v --help" ;;
+        extend-context) opts="--at-step --capacity-factor --json --qk-mult --quiet --seq-len --verbose -q -v --help" ;;
+        import) opts="--json --quiet --run-dir --step --verbose -q -v --help" ;;
+        ladder) opts="efficiency fit run --A --E --alpha --compute --extend --irreducible --json --law --loss --no-extend --out --plot --quiet --root --sbatch --sbatch-arg --set --target -q --help" ;;
         plan) opts="--devices --json --quiet --set --verbose -q -v --help" ;;
         plot) opts="--json --quiet -q --help" ;;
+        switch-ep) opts="--at-step --capacity-factor --compare --json --quiet --transport --verbose -q -v --help" ;;
         tokenize) opts="--commit-tokens --invalid-utf8 --json --out --overwrite --quiet --skip-bad-files --text-field --tokenizer --train-tokenizer --verbose -o -q -v --help" ;;
-        train) opts="--coordinator --devices --dry-run --json --num-processes --process-id --quiet --run-dir --set --verbose -q -v --help" ;;
+        train) opts="--compile --coordinator --devices --dry-run --forecast --json --num-processes --process-id --quiet --run-dir --set --verbose -q -v --help" ;;
         *) opts="" ;;
     esac
     if [[ "$cur" == -* ]]; then

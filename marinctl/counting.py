@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from marinctl.params import ParamSpec, param_table, partition_spec, shard_size
 from marinctl.recipe import Recipe
@@ -156,20 +157,91 @@ def capacity(recipe: Recipe, tokens_per_shard: int, expert_shards: int) -> Capac
     )
 
 
+Platform = Literal["gpu", "cpu"]
+
+# Components of the per-device peak, in the order the dry run prints them. The first three are exact
+# (shapes x shardings); the rest are the planner's model of what is alive at the step's peak.
+STATE_PARTS = ("params", "optimizer", "gradients")
+ACTIVATION_PARTS = (
+    "remat saves",  # residuals kept across the forward for the backward (the scan's stacked carry)
+    "attention",  # one block's attention half, recomputed in the backward: projections, scores, output
+    "norms + sconv",  # RMSNorm/GatedNorm outputs (fp32) and the SConv/residual sums of one block
+    "router",  # router logits, margins and the QB histogram input, fp32 [T, E]
+    "moe transport",  # routed rows at latent width: sender pools, receive buffers, outputs, combine
+    "experts",  # expert hidden activations [rows, I]: gate, up, silu, product and its gradient
+    "shared experts",  # the shared SwiGLU experts' hidden activations [T, n, I_sh]
+    "fsdp gathers",  # one layer's non-expert weights gathered (compute dtype) and their full-size grads
+    "logits / CE",  # fp32 logits and their gradient, one CE chunk at a time (model.ce_chunk_tokens)
+    "optimizer update",  # Newton-Schulz working copies of the largest matrix stack (the optimizer phase)
+    "gradient accumulator",  # train.grad_accum > 1: the running sum beside each micro-batch's grads
+)
+# Per-device bytes the step keeps in the host's (pinned) memory instead: not in the device peak.
+HOST_PARTS = ("remat saves",)  # model.remat = "offload": every layer's block input, forward to backward
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per device. Parameters and optimizer state are exact for the sharding rules; activations
-    are an estimate (saved residuals under the remat policy plus one block's working set)."""
+    """Bytes per device at the train step's peak, by component (`parts`, in `STATE_PARTS` +
+    `ACTIVATION_PARTS` order; components of phases that are not the peak read 0).
 
-    params: int
-    optimizer: int
-    gradients: int
-    activations: int
-    moe_buffers: int
+    The step has three candidate peaks: the backward through one block (saved residuals + that block's
+    recomputed activations), the loss (saved residuals + one CE chunk) and the optimizer update (saved
+    residuals gone, Newton-Schulz temporaries). Parameters, optimizer state and gradients are alive in
+    all three. `phases` holds each phase's activation bytes; `peak_phase` names the largest. `host`
+    (`HOST_PARTS` order) is what the step keeps in the host's pinned memory through the backward, beside
+    the device peak rather than in it (`total`).
+    """
+
+    parts: dict[str, int]
+    host: dict[str, int]
+    phases: dict[str, int]
+    peak_phase: str
+    platform: str
+    compute_bytes: int
+    attention_impl: str
+
+    @property
+    def params(self) -> int:
+        return self.parts["params"]
+
+    @property
+    def optimizer(self) -> int:
+        return self.parts["optimizer"]
+
+    @property
+    def gradients(self) -> int:
+        return self.parts["gradients"] + self.parts["gradient accumulator"]
+
+    @property
+    def moe_buffers(self) -> int:
+        return self.parts["moe transport"] + self.parts["experts"]
+
+    @property
+    def activations(self) -> int:
+        """Everything at the peak except state, gradients and the MoE buffers."""
+        return self.total - self.params - self.optimizer - self.gradients - self.moe_buffers
 
     @property
     def total(self) -> int:
-        return self.params + self.optimizer + self.gradients + self.activations + self.moe_buffers
+        return sum(self.parts.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "params": self.params,
+            "optimizer": self.optimizer,
+            "gradients": self.gradients,
+            "activations": self.activations,
+            "moe_buffers": self.moe_buffers,
+            "total": self.total,
+            "parts": dict(self.parts),
+            "phases": dict(self.phases),
+            "peak_phase": self.peak_phase,
+            "host": dict(self.host),
+            "host_total": sum(self.host.values()),
+            "platform": self.platform,
+            "compute_bytes": self.compute_bytes,
+            "attention_impl": self.attention_impl,
+        }
 
 
 def optimizer_state_elems(spec: ParamSpec) -> int:
@@ -177,42 +249,178 @@ def optimizer_state_elems(spec: ParamSpec) -> int:
     return 1 if spec.group == "muonh" else 2
 
 
-def memory_estimate(recipe: Recipe, mesh: dict[str, int]) -> MemoryEstimate:
+def compute_bytes(recipe: Recipe, platform: Platform = "gpu") -> int:
+    """Bytes per activation element: `model.compute_dtype`, where "auto" is bf16 on a GPU, fp32 on CPU."""
+    dtype = recipe.model.compute_dtype
+    if dtype == "auto":
+        return 2 if platform == "gpu" else BYTES_F32
+    return 2 if dtype == "bfloat16" else BYTES_F32
+
+
+def transport_rows(recipe: Recipe, cap: Capacity) -> tuple[int, int]:
+    """(rows at latent width that one block's transport keeps alive, rows that go through an expert).
+
+    Counted from the transports' buffers (marinctl/routing/transports.py): the gathered inputs and the
+    gathered outputs (A rows each), the sender side and the receiver side of each exchange, both ways.
+    """
+    moe = recipe.moe
+    A = cap.assignments
+    if moe.transport == "fixed":
+        sent = moe.num_experts * cap.fixed_cell  # [S, E_loc, cap] each way
+        expert_rows = sent
+        return 2 * A + 4 * sent, expert_rows
+    if moe.transport == "pooled":
+        sent = cap.expert_shards * cap.pooled_sender * cap.waves
+        expert_rows = cap.experts_per_shard * cap.pooled_receiver * cap.waves
+        # send pool, its arrival, the receive buffer, the expert output, its gather back to arrival
+        # order, the arrival back at the sender: 4 pool-sized and 2 buffer-sized per wave.
+        return 2 * A + 4 * sent + 2 * expert_rows, expert_rows
+    if moe.transport == "ragged":
+        expert_rows = cap.ragged_receiver
+        return 2 * A + 2 * A + 2 * expert_rows, expert_rows
+    # dense: every token through every expert, no buffers but [T, E, I] hidden activations
+    return 2 * A, cap.tokens_per_shard * moe.num_experts
+
+
+def memory_estimate(recipe: Recipe, mesh: dict[str, int], platform: Platform = "gpu") -> MemoryEstimate:
+    """The per-device peak of one train step on `mesh` (sizes per axis) on a `platform` device.
+
+    `platform` decides what "auto" means: bf16 activations and cuDNN flash attention on a GPU (the
+    hero's target), fp32 and the masked-softmax XLA path on CPU (what compiles here, and what the
+    `--compile` cross-check and tests/train/test_memory_plan.py compare against XLA's own analysis).
+    """
     table = param_table(recipe)
     n_dev = math.prod(mesh.values())
-    params = sum(shard_size(s, mesh) for s in table.values()) * BYTES_F32
-    opt = sum(shard_size(s, mesh) * optimizer_state_elems(s) for s in table.values()) * BYTES_F32
-    m, moe = recipe.model, recipe.moe
-    tokens = recipe.tokens_per_step // (n_dev * recipe.train.grad_accum)
-    act_bytes = 2 if m.compute_dtype == "bfloat16" else BYTES_F32
-    if m.compute_dtype == "auto":
-        act_bytes = 2  # what a GPU run uses; the CPU demo runs f32 and is far from its limits
-    D, L = m.hidden, m.num_layers
+    m, a, moe, t = recipe.model, recipe.attention, recipe.moe, recipe.train
+    f4 = BYTES_F32
+    act = compute_bytes(recipe, platform)
+    impl = a.impl
+    if impl == "auto":
+        impl = "cudnn" if platform == "gpu" and act == 2 else "xla"
+
+    params = sum(shard_size(s, mesh) for s in table.values()) * f4
+    opt = sum(shard_size(s, mesh) * optimizer_state_elems(s) for s in table.values()) * f4
+    grads = params  # fp32 like the master weights: the cast's cotangent comes back in fp32
+    accum = params if t.grad_accum > 1 else 0
+
+    D, L, V, H, Dh = m.hidden, m.num_layers, m.vocab_size, m.num_heads, m.head_dim
+    S = t.seq_len
+    rows = t.batch_size // (n_dev * t.grad_accum)  # sequences per device per micro-batch
+    T = rows * S  # tokens per device per micro-batch
+    kv = recipe.stored_kv_heads
     width = moe.latent_width if moe.latent else D
-    saved = L * tokens * D * act_bytes * (1 if m.remat == "full" else 12)
-    # One block live during backward: q/k/v/o, attention probabilities for one head at a time, the
-    # routed rows (K per token) at latent and expert width, the shared experts and the logits.
-    S = recipe.train.seq_len
-    block = (
-        tokens
-        * act_bytes
-        * (8 * D + moe.top_k * (2 * width + 3 * moe.expert_width) + 3 * moe.shared_experts * moe.shared_width)
-        + (tokens // S) * S * S * act_bytes
-    )
-    logits = tokens * m.vocab_size * BYTES_F32 * 2
-    cap = capacity(recipe, tokens, mesh.get("expert", 1))
-    if moe.transport == "fixed":
-        rows = moe.num_experts * cap.fixed_cell
-    elif moe.transport == "pooled":
-        sender = cap.expert_shards * cap.pooled_sender * cap.waves
-        rows = sender + cap.experts_per_shard * cap.pooled_receiver * cap.waves
-    elif moe.transport == "ragged":
-        rows = cap.assignments + cap.ragged_receiver
+    r = m.gated_norm_rank if m.gated_norm else 0
+    n_sh, I_sh = moe.shared_experts, moe.shared_width
+    n_global = sum(recipe.layer_is_global())
+
+    # --- one block's activations (per device), the set its backward reads --------------------------
+    normalize = D * (f4 + act) + (r * act + D * f4 if m.gated_norm else 0)  # x̂ fp32, gate, cast
+    sconv = sum(D if s in ("attn_out", "mlp_out") else kv * Dh for s in m.sconv_sites)
+    norms_b = T * (2 * normalize + (sconv + 2 * D) * act)  # two pre-norms; SConv outputs; residual sums
+    # q/k/v projections, normed+scaled q and k, RoPE'd q/k, grouped copies, output, XSA, gate, W_o.
+    proj = (H + 2 * kv) * Dh * act + (H + kv) * Dh * (f4 + act) + 2 * H * Dh * act + H * Dh * act
+    xsa = 2 * H * Dh * f4 if a.xsa else 0
+    gate = H * f4 + H * Dh * act if a.gate else 0
+    attn_b = T * (proj + xsa + gate + D * act)
+    if impl == "xla":
+        # Per score element: fp32 scores and their softmax, the probabilities in the compute dtype and
+        # the mask. Global layers take the full square; local layers the band of key blocks
+        # (marinctl/model/attention.py: query blocks of `window`, each reading its own and the previous
+        # blocks). The layer kind is a `lax.cond`, whose outputs carry both branches' residuals, so
+        # both shapes stay allocated through the block's backward (the compiled steps' peaks show them).
+        per_score = 2 * f4 + act + 1
+        square = S * S if n_global else 0
+        if n_global < L:
+            block_q = min(a.window, S)
+            n_q = -(-S // block_q)
+            band = n_q * block_q * (1 + -(-(a.window - 1) // block_q)) * block_q if block_q < S else S * S
+            square += band
+        attn_b += rows * H * square * per_score
+    else:  # flash attention keeps the log-sum-exp per query and head; the rest is tiled on chip
+        attn_b += T * H * f4
+    cap = capacity(recipe, T, mesh.get("expert", 1))
+    latent_rows, expert_rows = transport_rows(recipe, cap)
+    router_b = T * moe.num_experts * f4 * 3  # logits, margins, sigmoid scores
+    latent_b = T * (2 * width * act + width * f4) if moe.latent else 0  # u, its norm, the latent out
+    transport_b = latent_rows * width * act + latent_b
+    # gate and up projections, silu(gate) and its product with up, and the product's gradient while the
+    # expert backward runs: five [rows, I] buffers at the measured peaks.
+    experts_b = expert_rows * moe.expert_width * act * 5
+    shared_b = T * n_sh * I_sh * act * 3 + T * D * act if n_sh else 0
+    # FSDP: one layer's non-expert weights gathered in the compute dtype, and their fp32 gradients at
+    # full size before the reduce-scatter.
+    layer_dense = sum(s.size // L for p, s in table.items() if p.startswith("blocks.") and "experts" not in s.axes)
+    fsdp_b = layer_dense * (act + f4) if n_dev > 1 else 0
+    mlp_b = router_b + transport_b + experts_b + shared_b
+    # Both halves of the block count: in the compiled steps measured (tests/train/test_memory_plan.py
+    # and the hero's CPU compile) the peak falls in the MLP half's backward, with the attention half's
+    # recomputed residuals already allocated beside it.
+    block = norms_b + attn_b + mlp_b + fsdp_b
+
+    # --- what the forward keeps for the backward, per remat policy ----------------------------------
+    offloaded = 0  # bytes of those kept in the host's pinned memory instead of the device's
+    if m.remat == "offload" and platform != "cpu":
+        # Full remat with each block input copied to pinned host memory in the forward and back to the
+        # device one layer at a time in the backward: on the device, the layer being recomputed and the
+        # next one's input on its way in.
+        offloaded = L * T * D * act
+        saved = min(2, L) * T * D * act
+    elif m.remat in ("full", "offload"):
+        # Each block's input: the scan carry. XLA:CPU stores a bf16 carry's stack as fp32 (seen in the
+        # hero's compiled CPU step); a GPU keeps it in bf16. XLA:CPU lowers "offload"'s host placement
+        # as a no-op (its device memory is the host's), so on CPU "offload" compiles to "full".
+        saved = L * T * D * (f4 if platform == "cpu" else act)
+    elif m.remat == "save_dots":  # matmul outputs; the elementwise rest is recomputed
+        dots = (H + 2 * kv) * Dh + 2 * D + width * 2 + n_sh * I_sh * 2
+        saved = L * (T * dots * act + latent_rows * width * act + expert_rows * moe.expert_width * act * 2)
     else:
-        rows = cap.assignments
-    moe_buffers = 2 * rows * width * act_bytes
+        saved = L * (norms_b + attn_b + mlp_b)
+
+    # --- the loss: fp32 logits and their gradient for one chunk, the final hidden states ------------
+    # `model.ce_chunk_tokens` per device: chunks of whole positions over this device's rows
+    # (marinctl/model/loss.py `chunk_length`); 0, or a chunk as long as the sequence, is unchunked.
+    chunk_pos = S if m.ce_chunk_tokens <= 0 else max(1, min(S, m.ce_chunk_tokens // rows))
+    ce_tokens = rows * chunk_pos
+    lm_head_full = D * V * (act + f4) if n_dev > 1 else 0  # gathered lm_head, its full-size gradient
+    ce_b = ce_tokens * V * f4 * 3 + T * D * (act + f4) * 2 + lm_head_full  # logits, their gradient, softmax
+    # Unchunked, the logits and their gradient can outlive the loss: nothing needs the lm_head's weight
+    # gradient before the optimizer, so XLA may take it after the blocks' backward (a measured CPU step
+    # did), and both [T, V] fp32 buffers sit beside every block's backward. Chunked, each chunk's
+    # gradient is folded into the lm_head's inside the chunk loop.
+    held_logits = 2 * T * V * f4 if chunk_pos >= S else 0
+
+    # --- the optimizer: Newton-Schulz iterates the largest matrix stack in fp32 ------------------
+    biggest = max((shard_size(s, mesh) for s in table.values() if s.group == "muonh"), default=0)
+    ns_b = biggest * f4 * 4  # X, the Gram matrix, its square and the next iterate
+
+    phases = {"backward": saved + block + held_logits, "loss": saved + ce_b, "optimizer": ns_b}
+    peak = max(phases, key=phases.__getitem__)
+    zero = dict.fromkeys(ACTIVATION_PARTS, 0)
+    parts = {"params": params, "optimizer": opt, "gradients": grads, **zero, "gradient accumulator": accum}
+    if peak == "backward":
+        parts |= {
+            "remat saves": saved,
+            "attention": attn_b,
+            "norms + sconv": norms_b,
+            "router": router_b,
+            "moe transport": transport_b,
+            "experts": experts_b,
+            "shared experts": shared_b,
+            "fsdp gathers": fsdp_b,
+            "logits / CE": held_logits,
+        }
+    elif peak == "loss":
+        parts |= {"remat saves": saved, "logits / CE": ce_b}
+    else:
+        parts |= {"optimizer update": ns_b}
     return MemoryEstimate(
-        params=params, optimizer=opt, gradients=params, activations=saved + block + logits, moe_buffers=moe_buffers
+        parts=parts,
+        host={"remat saves": offloaded},
+        phases=phases,
+        peak_phase=peak,
+        platform=platform,
+        compute_bytes=act,
+        attention_impl=impl,
     )
 
 

@@ -25,12 +25,57 @@ from marinctl.recipe import Recipe, load_recipe
 
 # SPEC §9: the fits happen at every 5% of training progress.
 PROGRESS_GRID: tuple[float, ...] = tuple(round(0.05 * i, 2) for i in range(1, 21))
+GRID_SPACING = 0.05
 # SPEC §9: irreducible loss calibrated for 4k context (the May law used 1.6, the 8k 67B-A2B law 1.4).
 IRREDUCIBLE_LOSS = 1.5
 # SPEC §9: an early-stopped rung continues the least-squares line of its evals in this progress window.
 # It ends at 80% because the data mix changes there (the bump in the post's Figure 11).
 EXTENSION_WINDOW = (0.6, 0.8)
 _TOL = 1e-9  # progress values come from step/steps; grid points must match them despite rounding
+
+
+def grid_step(g: float, steps: int) -> int:
+    """The step a run evaluates at for grid progress g: the nearest one (g · steps is rarely whole)."""
+    return round(g * steps)
+
+
+def step_progress(step: int, steps: int) -> float:
+    """Progress g of an eval at `step`: exactly the grid's g at a grid step (round(g · steps) / steps is
+    rarely g), else step / steps. From 20 steps on the grid steps are distinct and past step 0, so the
+    snapped progress stays in step order."""
+    if steps >= len(PROGRESS_GRID) and step > 0:
+        for g in PROGRESS_GRID:
+            if grid_step(g, steps) == step:
+                return g
+    return step / steps
+
+
+def eval_grid_steps(recipe: Recipe) -> frozenset[int]:
+    """Steps at which `eval.ladder_grid = true` adds an evaluation: every 5% of the run's own progress."""
+    if not recipe.eval.ladder_grid:
+        return frozenset()
+    return frozenset(grid_step(g, recipe.train.steps) for g in PROGRESS_GRID)
+
+
+def check_rung_of(rung: Recipe, target: Recipe, where: str) -> None:
+    """A rung's losses are comparable with the target's only when they are the same measurement: the same
+    tokenizer, context and eval sources (read from the same stores). Anything else is a user error."""
+    sources = {s.name: s.path for s in rung.data.sources}
+    target_sources = {s.name: s.path for s in target.data.sources}
+    checks = (
+        ("data.tokenizer", rung.data.tokenizer, target.data.tokenizer),
+        ("train.seq_len", rung.train.seq_len, target.train.seq_len),
+        ("eval.sources", list(rung.eval.sources), list(target.eval.sources)),
+        (
+            "eval source paths",
+            [sources.get(n) for n in rung.eval.sources],
+            [target_sources.get(n) for n in target.eval.sources],
+        ),
+    )
+    for key, mine, theirs in checks:
+        if mine != theirs:
+            name = target.name or target.source
+            raise UserError(f"{where}: not a ladder rung of {name}: {key} is {mine!r}, the target's is {theirs!r}")
 
 
 def training_compute(recipe: Recipe) -> float:
@@ -104,7 +149,22 @@ def read_rung(run_dir: Path, name: str | None = None) -> Rung:
         note = f"macro_loss is non-finite from step {bad[0]}; curve ends at the eval before it"
         if not steps:
             raise UserError(f"{metrics_path}: macro_loss is non-finite from the first eval (step {bad[0]})")
-    progress = np.asarray(steps, np.float64) / recipe.train.steps
+    total = recipe.train.steps
+    progress = np.asarray([step_progress(s, total) for s in steps], np.float64)
+    # Every grid point the curve reaches must be read from evals at most one grid spacing apart (one step
+    # in a run shorter than the grid): a line from step 0 to the end is not a loss curve.
+    spacing = max(GRID_SPACING, 1 / total)
+    for g in PROGRESS_GRID:
+        if g > progress[-1] + _TOL:
+            break
+        after = int(np.searchsorted(progress, g - _TOL))
+        if abs(progress[after] - g) <= _TOL:
+            continue
+        if after == 0 or progress[after] - progress[after - 1] > spacing + _TOL:
+            raise UserError(
+                f"{metrics_path}: no eval at or near the {g:.0%} grid point (step {grid_step(g, total)} of "
+                f"{total}); train ladder rungs with eval.ladder_grid = true"
+            )
     loss = np.asarray([by_step[s] for s in steps], np.float64)
     return Rung(name or run_dir.name, training_compute(recipe), progress, loss, note)
 
@@ -312,7 +372,9 @@ def write_ladder_plot(fit: LadderFit, path: Path, target_name: str = "target") -
     for n, curve in enumerate(fit.curves):
         color = f"C{n}"
         rung = curve.rung
-        by_progress.plot(rung.progress, rung.loss, "o-", ms=3, lw=1.2, color=color, label=rung.name)
+        after_init = rung.progress > 0  # the step-0 eval (≈ ln V) is not part of the curve being fit
+        by_progress.plot(rung.progress[after_init], rung.loss[after_init], "o-", ms=3, lw=1.2, color=color,
+                         label=f"{rung.name} (C = {rung.compute:.3g})")  # fmt: skip
         if curve.extrapolated.any():
             ext = curve.extrapolated
             by_progress.plot(
@@ -331,35 +393,39 @@ def write_ladder_plot(fit: LadderFit, path: Path, target_name: str = "target") -
         pad = 0.05 * (shown.max() - shown.min())
         by_progress.set_ylim(shown.min() - pad, shown.max() + pad)
 
+    # Figure 12 style: the fit at a few progress points, loss against g · C, the rungs' points on each law
+    # and the target's forecast at the end of each line.
+    shown_g = [g for g in (0.25, 0.5, 0.75, 1.0) if any(abs(g - p) < _TOL for p in fit.grid)]
+    cmap = plt.get_cmap("viridis")
+    all_c = [g * c.rung.compute for g in shown_g for c in fit.curves] + [g * fit.target_compute for g in shown_g]
+    xs = np.geomspace(min(all_c) / 1.5, max(all_c) * 1.5, 200) if all_c else np.asarray([])
+    for k, g in enumerate(shown_g):
+        i = next(j for j, p in enumerate(fit.grid) if abs(g - p) < _TOL)
+        f, color = fit.per_progress[i], cmap(0.1 + 0.8 * k / max(len(shown_g) - 1, 1))
+        if f.law is None:
+            continue
+        label = f"g={g:.2f}: A={f.law.A:.4g}, α={f.law.alpha:.4f}"
+        by_compute.plot(xs, f.law(xs), "-", lw=1, color=color, label=label)
+        for curve in fit.curves:
+            if np.isfinite(curve.loss[i]):
+                hollow = bool(curve.extrapolated[i])
+                by_compute.plot(g * curve.rung.compute, curve.loss[i], "o", ms=4, color=color,
+                                mfc="none" if hollow else color)  # fmt: skip
+        by_compute.plot(g * fit.target_compute, f.forecast, "*", ms=11, color=color, mec="k", mew=0.6)
     final = fit.final
-    if final.law is not None:
-        computes = np.asarray([c.rung.compute for c in fit.curves] + [fit.target_compute])
-        xs = np.geomspace(computes.min() / 2, computes.max() * 2, 200)
-        by_compute.plot(
-            xs, final.law(xs), "k-", lw=1, label=f"L = {final.law.E:g} + {final.law.A:.4g}·C^−{final.law.alpha:.4f}"
-        )
-        for n, curve in enumerate(fit.curves):
-            if np.isfinite(curve.loss[-1]):
-                hollow = bool(curve.extrapolated[-1])
-                by_compute.plot(
-                    curve.rung.compute,
-                    curve.loss[-1],
-                    "o",
-                    color=f"C{n}",
-                    mfc="none" if hollow else None,
-                    label=curve.rung.name,
-                )
-        by_compute.plot(
-            fit.target_compute,
-            final.forecast,
-            "k*",
-            ms=12,
-            label=f"{target_name}: {final.forecast:.4f} at {fit.target_compute:.3g}",
+    if final.forecast is not None:
+        by_compute.annotate(
+            f"{target_name}: {final.forecast:.4f}",
+            (fit.target_compute, final.forecast),
+            textcoords="offset points",
+            xytext=(-12, -16),
+            ha="right",
+            fontsize="small",
         )
     by_compute.set_xscale("log")
-    by_compute.set_xlabel("training FLOPs, excl. lm_head")
-    by_compute.set_ylabel("loss at g = 1")
-    by_compute.set_title(f"final fit (E = {fit.irreducible:g})")
+    by_compute.set_xlabel("training FLOPs so far, g · C (excl. lm_head)")
+    by_compute.set_ylabel("dropless eval macro loss (nats)")
+    by_compute.set_title(f"per-progress fits L = E + A·(gC)^−α (E = {fit.irreducible:g}); ★ = forecast")
     for ax in (by_progress, by_compute):
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")

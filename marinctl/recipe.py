@@ -46,8 +46,13 @@ class ModelConfig:
     sconv_kernel: int = _f(4, min=1, doc="short causal conv taps (lag 0 = current token)")
     sconv_sites: tuple[str, ...] = _f(("keys", "attn_out", "mlp_out"), doc="where SConv runs")
     z_loss_weight: float = _f(1e-4, min=0.0, doc="logit z-loss weight (logsumexp^2)")
+    ce_chunk_tokens: int = _f(
+        8192, min=0, doc="lm_head + CE per chunk of this many tokens per device, remat (0: full logits at once)"
+    )
     compute_dtype: Literal["auto", "float32", "bfloat16"] = _f("auto", doc="auto: bf16 on GPU/TPU, f32 on CPU")
-    remat: Literal["none", "full", "save_dots"] = _f("full", doc="per-block rematerialization policy")
+    remat: Literal["none", "full", "save_dots", "offload"] = _f(
+        "full", doc="per-block rematerialization policy (offload: full, block inputs kept in pinned host memory)"
+    )
 
 
 @dataclass(frozen=True)
@@ -104,8 +109,48 @@ class OptimizerConfig:
     muon_momentum: float = _f(0.95, min=0.0, max=1.0, doc="Muon momentum (Nesterov)")
     ns_coefficients: Literal["tuned", "simple"] = _f("tuned", doc="Newton-Schulz coefficient table")
     ns_steps: int = _f(5, min=1, doc="Newton-Schulz iterations")
+    ns_dtype: Literal["float32", "bfloat16"] = _f(
+        "float32", doc="Newton-Schulz matmul operands (bfloat16: f32 accumulation, ~1.3x faster on a bf16 CPU)"
+    )
     weight_decay: float = _f(0.0, min=0.0, doc="decoupled WD on attention gate and router, annealed to 0")
     grad_clip: float = _f(0.0, min=0.0, doc="global-norm clip; 0 = off (the hero ran without)")
+
+
+# Mid-run changes (`[[schedule.changes]]`, docs/recipe.md §8): each names the step it starts at and only the
+# keys it changes (None = unchanged). `marinctl.schedule` resolves them into the run's segments.
+@dataclass(frozen=True)
+class ChangeTrainConfig:
+    seq_len: int | None = _f(None, min=2, doc="new S; train.batch_size is re-derived so tokens per step stay")
+
+
+@dataclass(frozen=True)
+class ChangeAttentionConfig:
+    qk_mult: float | Literal["auto"] | None = _f(None, min=0.0, doc="'auto' = qk_mult·(1 + 0.1·ln(S/S0))")
+
+
+@dataclass(frozen=True)
+class ChangeMoEConfig:
+    transport: Literal["dense", "fixed", "pooled", "ragged"] | None = _f(None, doc="expert-parallel transport")
+    capacity_factor: float | None = _f(None, min=0.0, doc="cf for fixed cells / pooled receiver buffers")
+    sender_capacity_factor: float | None = _f(None, min=0.0, doc="cf_t for pooled sender pools")
+    waves: int | None = _f(None, min=1, doc="W, pooled waves")
+    ragged_buffer_factor: float | None = _f(None, min=0.0, doc="bounded ragged receive buffer (T*K rows)")
+
+
+@dataclass(frozen=True)
+class ChangeDataConfig:
+    weights: dict[str, float] | None = _f(None, doc="the new mixture: source name -> sampling weight")
+
+
+@dataclass(frozen=True)
+class ChangeConfig:
+    name: str = _f("", doc="label on plots and in the change record")
+    at_step: int | None = _f(None, min=0, doc="first step the change applies to")
+    at_fraction: float | None = _f(None, min=0.0, max=1.0, doc="or: that step as a share of train.steps")
+    train: ChangeTrainConfig | None = _f(None, doc="train.seq_len")
+    attention: ChangeAttentionConfig | None = _f(None, doc="attention.qk_mult")
+    moe: ChangeMoEConfig | None = _f(None, doc="transport and capacity knobs")
+    data: ChangeDataConfig | None = _f(None, doc="data.weights")
 
 
 @dataclass(frozen=True)
@@ -113,6 +158,11 @@ class ScheduleConfig:
     warmup_fraction: float = _f(0.01, min=0.0, max=1.0, doc="linear warmup from 0 over this share of steps")
     warmup_steps: int | None = _f(None, min=0, doc="explicit warmup steps (overrides the fraction)")
     final_lr_fraction: float = _f(0.05, min=0.0, max=1.0, doc="linear decay to this share of peak")
+    changes: tuple[ChangeConfig, ...] = _f(
+        (),
+        doc="[[schedule.changes]] mid-run changes: at_step or at_fraction, name, and any of train.seq_len, "
+        "attention.qk_mult, moe.transport/capacity knobs, data.weights",
+    )
 
 
 @dataclass(frozen=True)
@@ -172,6 +222,8 @@ class EvalConfig:
     batches: int = _f(4, min=1, doc="batches per eval source")
     batch_size: int | None = _f(None, min=1, doc="eval sequences per batch (default train.batch_size)")
     sources: tuple[str, ...] = _f((), doc="zero-weight data sources evaluated (dropless)")
+    ladder_grid: bool = _f(False, doc="also evaluate at every 5% of progress: the ladder grid (docs/recipe.md §9)")
+    forecast: str = _f("", doc="forecast.json from `ladder fit --out`: eval records carry forecast and delta")
 
 
 @dataclass(frozen=True)
@@ -369,6 +421,8 @@ def _type_name(hint: Any) -> str:
     if inner is not None:
         return f"{_type_name(inner)} or 'auto'"
     origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(hint) if a is not type(None))
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
     if origin is tuple:
@@ -409,6 +463,15 @@ def _convert(value: Any, hint: Any, dotted: str, provenance: dict[str, str], src
     if inner is not None:
         return None if value is None else _convert(value, inner, dotted, provenance, src)
     origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):  # e.g. float | Literal["auto"] | None: the first arm that fits
+        if value is None and type(None) in typing.get_args(hint):
+            return None
+        for arm in typing.get_args(hint):
+            try:
+                return _convert(value, arm, dotted, provenance, src)
+            except RecipeError:
+                continue
+        raise wrong()
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, dotted + ".", provenance, src)
     if origin is Literal:
@@ -532,6 +595,9 @@ def validate(recipe: Recipe, provenance: dict[str, str] | None = None) -> None:
     for i, name in enumerate(recipe.eval.sources):
         if name not in names:
             fail(f"eval.sources[{i}]", f"no such data source {name!r}{_suggest(name, names)}")
+    from marinctl.schedule import validate_changes  # the schedule module reads the schema, not the reverse
+
+    validate_changes(recipe, fail)
 
 
 def phase_start(phase: PhaseConfig, steps: int) -> int:

@@ -11,6 +11,7 @@ trainer's (`marinctl/train/checkpoint.py`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,6 +40,7 @@ class RunWeights:
     params: dict[str, Any]  # numpy arrays, or jax arrays laid out on the mesh
     router_bias: Any  # [L, E]
     checkpoint_dir: Path
+    skipped: tuple[str, ...] = ()  # newer checkpoints found damaged, one line each: which and why
 
 
 def run_recipe_path(run_dir: Path) -> Path:
@@ -79,19 +81,29 @@ def restore_weights(recipe: Recipe, run_dir: Path, step: int | None = None, mesh
         raise UserError(f"{run_dir}: no checkpoint in {directory}")
     if step is not None and step not in steps:
         raise UserError(f"{run_dir}: no checkpoint at step {step} (available: {_show_steps(steps)})")
+    from marinctl.train.checkpoint import verify_digest
+
     candidates = [step] if step is not None else list(reversed(steps))
+    skipped: list[str] = []
     with _read_only_manager(directory) as manager:
         for i, candidate in enumerate(candidates):
-            try:
-                return _restore_step(manager, recipe, directory, candidate, mesh)
-            except UserError:
-                raise
-            except Exception as err:  # a damaged checkpoint: the newest-first search moves to an older one
-                if step is not None or i + 1 == len(candidates):
-                    raise UserError(
-                        f"{directory / str(candidate)}: checkpoint does not restore ({_one_line(err)})"
-                    ) from None
-                log.warning("checkpoint %d does not restore (%s); trying an older one", candidate, _one_line(err))
+            # Orbax has no checksums: a flipped bit restores silently, so the trainer's digest is checked first.
+            problem = verify_digest(directory / str(candidate))
+            if problem is None:
+                try:
+                    weights = _restore_step(manager, recipe, directory, candidate, mesh)
+                except UserError:
+                    raise
+                except Exception as err:  # a damaged checkpoint: the newest-first search moves to an older one
+                    problem = f"does not restore ({_one_line(err)})"
+                else:
+                    if skipped:
+                        log.warning("using checkpoint %d instead (%s)", candidate, "; ".join(skipped))
+                    return dataclasses.replace(weights, skipped=tuple(skipped))
+            if step is not None or i + 1 == len(candidates):
+                raise UserError(f"{directory / str(candidate)}: checkpoint is damaged: {problem}")
+            skipped.append(f"checkpoint {candidate} is damaged: {problem}")
+            log.warning("checkpoint %d is damaged (%s); trying an older one", candidate, problem)
     raise AssertionError("unreachable: the loop returns or raises")
 
 

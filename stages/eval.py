@@ -17,7 +17,7 @@ from typing import Annotated, Any
 import typer
 
 from marinctl.errors import UserError
-from marinctl.stage import JsonOpt, QuietOpt, SetOpt, Stage, VerboseOpt, console, emit_json, open_recipe, setup_logging
+from marinctl.stage import JsonOpt, QuietOpt, SetOpt, Stage, VerboseOpt, console, emit_json, setup_logging
 
 TRANSPORTS = ("dense", "fixed", "pooled", "ragged")
 
@@ -38,30 +38,69 @@ def evaluate_run(
             "--transport", help=f"Evaluate with this MoE transport instead ({'|'.join(TRANSPORTS)}): the drop cost."
         ),
     ] = None,
+    tasks: Annotated[
+        str | None,
+        typer.Option(
+            "--tasks",
+            help="lm-evaluation-harness tasks, comma-separated, instead of the loss sources "
+            "(RUN_DIR may also be a native or hf export).",
+        ),
+    ] = None,
+    include_path: Annotated[
+        Path | None, typer.Option("--include-path", help="With --tasks: a directory of extra lm-eval task YAMLs.")
+    ] = None,
+    limit: Annotated[int | None, typer.Option("--limit", help="With --tasks: at most N documents per task.")] = None,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", help="With --tasks: rows per jitted forward (padded buckets).")
+    ] = 8,
+    seq_len: Annotated[
+        int | None,
+        typer.Option(
+            "--seq-len",
+            help="Context to evaluate at (default: the run's at that checkpoint; after an extension, the first "
+            "context re-evaluates like the run's `macro_loss@S0` records).",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = 0,
 ) -> None:
-    """Evaluate a checkpoint: per-source loss and bits per byte, and the macro loss (dropless by default)."""
+    """Evaluate a checkpoint: per-source loss and bits per byte, and the macro loss (dropless by default);
+    with --tasks, lm-evaluation-harness tasks on the JAX model (docs/operations.md)."""
     setup_logging(quiet, verbose)
+    if tasks is not None:
+        from marinctl.lmeval import eval_tasks_command
+
+        if transport is not None:
+            raise UserError(f"--tasks and --transport {transport}: lm-eval tasks always run dropless")
+        eval_tasks_command(
+            run_dir, tasks, include_path, limit, step, batch_size, overrides, as_json, quiet, max_length=seq_len
+        )
+        return
+    for flag, value in (("--include-path", include_path), ("--limit", limit)):
+        if value is not None:
+            raise UserError(f"{flag} applies only with --tasks")
     if transport is not None and transport not in TRANSPORTS:
         raise UserError(f"--transport {transport!r}: choose one of {', '.join(TRANSPORTS)}")
     if dropless and transport is not None:
         raise UserError(f"--dropless and --transport {transport}: choose one")
-    from marinctl.restore import run_recipe_path
+    from marinctl.schedule import load_run_recipe
 
-    recipe = open_recipe(run_recipe_path(run_dir), overrides)  # [runtime] applied before JAX starts
+    recipe = load_run_recipe(run_dir, overrides)  # + recorded changes; [runtime] applied before JAX starts
     if not recipe.eval.sources:
         raise UserError(f"{run_dir}: eval.sources is empty: name the sources to evaluate with --set eval.sources=...")
-    result = run_eval(recipe, run_dir, step, transport)
+    result = run_eval(recipe, run_dir, step, transport, seq_len)
     if as_json:
         emit_json(result)
     elif not quiet:
         _print(result, recipe.eval.sources)
 
 
-def run_eval(recipe, run_dir: Path, step: int | None, transport: str | None) -> dict[str, Any]:
-    """{step, transport, dropless, macro_loss, loss/<src>, bpb/<src>, tokens/<src>} for one checkpoint."""
+def run_eval(
+    recipe, run_dir: Path, step: int | None, transport: str | None, seq_len: int | None = None
+) -> dict[str, Any]:
+    """{step, seq_len, transport, dropless, macro_loss, loss/<src>, bpb/<src>, tokens/<src>} for one checkpoint,
+    with the recipe the run's schedule had in effect there (context, qk_mult), at `seq_len` when given."""
     from marinctl.train.loop import configure_jax
 
     configure_jax()
@@ -83,6 +122,14 @@ def run_eval(recipe, run_dir: Path, step: int | None, transport: str | None) -> 
     ensure_builtin_corpus(recipe)  # as `marinctl train` does: the built-in eval stores are a rebuildable cache
     loader = Loader(recipe)  # missing eval data fails here, before the checkpoint is read
     weights = restore_weights(recipe, run_dir, step, mesh)
+    from marinctl.schedule import eval_recipe
+
+    recipe = eval_recipe(recipe, weights.step, seq_len)
+    eval_rows = recipe.eval.batch_size or recipe.train.batch_size
+    if eval_rows % len(devices):
+        raise UserError(
+            f"--seq-len {recipe.train.seq_len}: {eval_rows} eval rows do not split over {len(devices)} devices"
+        )
     with jax.set_mesh(mesh):
         model = build_model(recipe, weights.params)
         shardings = param_shardings(model, recipe, mesh)
@@ -102,11 +149,13 @@ def run_eval(recipe, run_dir: Path, step: int | None, transport: str | None) -> 
     return {
         "run_dir": str(run_dir),
         "step": weights.step,
+        "seq_len": recipe.train.seq_len,
         "transport": used,
         # ragged drops only when its receive buffer is bounded (moe.ragged_buffer_factor)
         "dropless": used == "dense" or (used == "ragged" and recipe.moe.ragged_buffer_factor is None),
         "macro_loss": sums["macro_loss"],
         **{k: v for k, v in sums.items() if k != "macro_loss"},
+        "skipped_checkpoints": list(weights.skipped),  # newer damaged ones, which and why (also logged)
     }
 
 

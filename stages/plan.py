@@ -64,7 +64,7 @@ def plan_summary(recipe: Recipe, devices: int | None = None) -> dict[str, Any]:
         "mesh": mesh,
         "devices": shards,
         "capacity": {**cap.as_dict(), "transport": recipe.moe.transport, "capacity_factor": recipe.moe.capacity_factor},
-        "memory_per_device": {**{k: v for k, v in mem.__dict__.items()}, "total": mem.total},
+        "memory_per_device": mem.as_dict(),
     }
 
 
@@ -125,8 +125,13 @@ def render(summary: dict[str, Any]) -> list[Table]:
     par.add_row("pooled receiver buffer R", f"{cap['pooled_receiver']:,}")
     par.add_row("ragged receive buffer", f"{cap['ragged_receiver']:,}")
     mem = summary["memory_per_device"]
-    for key in ("params", "optimizer", "gradients", "activations", "moe_buffers", "total"):
-        par.add_row(f"memory: {key.replace('_', ' ')}", f"{mem[key] / GiB:,.2f} GiB")
+    for key, value in mem["parts"].items():
+        if value:  # components of phases that are not the peak read 0
+            par.add_row(f"memory: {key}", f"{value / GiB:,.2f} GiB")
+    par.add_row(f"memory: total ({mem['peak_phase']} peak)", f"{mem['total'] / GiB:,.2f} GiB")
+    for key, value in mem["host"].items():
+        if value:  # model.remat = "offload": kept in the host's pinned memory, not in the total
+            par.add_row(f"host memory: {key}", f"{value / GiB:,.2f} GiB")
     return [main, parts, par]
 
 

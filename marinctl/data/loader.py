@@ -16,6 +16,15 @@ Row r of step n's global batch is built from (seed, n, r) alone:
    continuation is a fresh segment: it cannot attend to its own beginning in the previous row).
    `loss_mask[t] = 0` where `targets[t]` starts another document (SPEC 6: no cross-document targets).
 Segment id 0 (padding) only appears in `eval_batches`, whose last window of a source is partial.
+
+**Schedules** (`marinctl.schedule`, docs/recipe.md §8). A change of `train.seq_len` mid-run re-derives the
+batch size (tokens per step constant), so rows are numbered over the whole run with a piecewise batch
+size: g counts rows before the step, whatever their length. The mixture (1.) is over those rows and does
+not see the length. Windows (2.) do: within a stretch of constant length S the k-th row of a source is
+window `off + (k − K)`, where K is the rows the source gave before the stretch and `off = ⌈T / S⌉` with T
+the tokens those rows covered, so each source's epoch continues at the same token position in the new
+length's window order. Everything is still a closed form of (seed, step, schedule); without a change of
+length, off = K = 0 and the batches are the ones a schedule-free run reads.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import numpy as np
 
 from marinctl.data.store import JaggedStore
 from marinctl.errors import UserError
-from marinctl.recipe import Recipe, phase_start
+from marinctl.recipe import Recipe
 
 BLOCK_ROWS = 2048  # mixture block: weights are honoured exactly per 2048 rows (resolution 1/2048)
 _IN_MEMORY_BYTES = 1 << 30  # sources up to this size are read into memory once; larger ones per window
@@ -79,17 +88,25 @@ class Loader:
         data = recipe.data
         self.recipe = recipe
         self.root = Path(root if root is not None else data.root)
-        self.seq_len, self.batch_size = recipe.train.seq_len, recipe.train.batch_size
+        self.seq_len, self.batch_size = recipe.train.seq_len, recipe.train.batch_size  # the run's first shape
         self.seed, self.prefetch, self.steps = data.seed, data.prefetch, recipe.train.steps
         self.paths = {s.name: self.root / s.path for s in data.sources}
         if not self.paths:
             raise UserError(f"{recipe.source}: data.sources is empty: name at least one token store")
+        self.stretches = _stretches(recipe)
+        self._stretch_rows = _stretch_rows(self.stretches)
         self.phases = _phases(recipe)
+        self._phase_rows = [self.rows_before(p.start_step) for p in self.phases]
         self._sources: dict[str, _Source] = {}
         for name in dict.fromkeys([*(n for phase in self.phases for n in phase.sources), *recipe.eval.sources]):
             self.source(name)  # fail at start-up, not at the step (or eval) that first needs a source
         self._blocks: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = OrderedDict()
-        self._consumed = self._consumed_before_phases()
+        self._used = self._used_before_phases()
+        self._consumed = [
+            np.array([used.get(n, 0) for n in ph.sources], np.int64)
+            for used, ph in zip(self._used, self.phases, strict=True)
+        ]
+        self._offsets = self._stretch_offsets()
 
     # ---------------------------------------------------------------------------------------------
     # Public API
@@ -102,9 +119,10 @@ class Loader:
         """This host's contiguous share of the global batch (rows i·B/P … (i+1)·B/P − 1), read alone."""
         if process_count < 1 or not 0 <= process_index < process_count:
             raise UserError(f"process {process_index} of {process_count}: not a valid host index")
-        if self.batch_size % process_count:
-            raise UserError(f"train.batch_size {self.batch_size} does not split over {process_count} hosts")
-        per_host = self.batch_size // process_count
+        batch_size = self.shape(step)[0]
+        if batch_size % process_count:
+            raise UserError(f"train.batch_size {batch_size} does not split over {process_count} hosts")
+        per_host = batch_size // process_count
         rows = np.arange(process_index * per_host, (process_index + 1) * per_host)
         return self._rows(step, rows)
 
@@ -117,12 +135,13 @@ class Loader:
         return Prefetcher(produce, self.prefetch)
 
     def eval_batches(
-        self, source: str, n_batches: int, batch_size: int | None = None
+        self, source: str, n_batches: int, batch_size: int | None = None, seq_len: int | None = None
     ) -> Iterator[dict[str, np.ndarray]]:
-        """The source's first `n_batches·batch_size` windows in order (deterministic; each target scored
-        once); stops early when the source is exhausted, padding the last batch (segment 0, mask 0)."""
+        """The source's first `n_batches·batch_size` windows of `seq_len` (default the run's first) in order
+        (deterministic; each target scored once); stops early when the source is exhausted, padding the
+        last batch (segment 0, mask 0)."""
         src = self.source(source)
-        S, bs = self.seq_len, batch_size or self.batch_size
+        S, bs = seq_len or self.seq_len, batch_size or self.batch_size
         n_windows = -(-(src.n_tokens - 1) // S)  # ceil: the last window may be partial
         for b in range(n_batches):
             first = b * bs
@@ -130,7 +149,7 @@ class Loader:
                 return
             starts = np.arange(first, min(first + bs, n_windows), dtype=np.int64) * S
             window, valid = src.read(starts, S + 1)
-            batch = self._pack(src, starts, window, valid)
+            batch = self._pack(src, starts, window, valid, S)
             if len(starts) < bs:
                 batch = {k: np.concatenate([v, np.zeros((bs - len(starts), S), v.dtype)]) for k, v in batch.items()}
             yield batch
@@ -154,9 +173,23 @@ class Loader:
     def phase_at(self, step: int) -> int:
         return max(i for i, p in enumerate(self.phases) if p.start_step <= step)
 
+    def stretch_at(self, step: int) -> int:
+        return max(i for i, s in enumerate(self.stretches) if s[0] <= step)
+
+    def shape(self, step: int) -> tuple[int, int]:
+        """(batch_size, seq_len) of `step` under the schedule."""
+        _, S, B = self.stretches[self.stretch_at(step)]
+        return B, S
+
+    def rows_before(self, step: int) -> int:
+        """Global rows of all steps before `step` (the batch size is piecewise constant)."""
+        q = self.stretch_at(step)
+        start, _, B = self.stretches[q]
+        return self._stretch_rows[q] + (step - start) * B
+
     def sources_of(self, step: int, rows: np.ndarray | None = None) -> list[str]:
         """Which source each row of `step` is drawn from (mixture tests, metrics)."""
-        rows = np.arange(self.batch_size) if rows is None else rows
+        rows = np.arange(self.shape(step)[0]) if rows is None else rows
         p = self.phase_at(step)
         src, _ = self._assign(step, rows)
         return [self.phases[p].sources[i] for i in src]
@@ -168,7 +201,7 @@ class Loader:
         """(source index within the phase, k = rows of that source drawn before this one) per row."""
         p = self.phase_at(step)
         phase = self.phases[p]
-        g = (step - phase.start_step) * self.batch_size + rows.astype(np.int64)
+        g = self.rows_before(step) - self._phase_rows[p] + rows.astype(np.int64)
         block, slot = g // BLOCK_ROWS, g % BLOCK_ROWS
         src = np.empty(len(rows), np.int64)
         k = np.empty(len(rows), np.int64)
@@ -197,28 +230,57 @@ class Loader:
                 self._blocks.popitem(last=False)
         return self._blocks[key]
 
-    def _consumed_before_phases(self) -> list[np.ndarray]:
-        """Per phase, rows each of its sources already gave in earlier phases (by name across phases)."""
+    def _used_before_phases(self) -> list[dict[str, int]]:
+        """Per phase, rows each source already gave in earlier phases (by name across phases)."""
         used: dict[str, int] = {}
         out = []
         for p, phase in enumerate(self.phases):
-            out.append(np.array([used.get(n, 0) for n in phase.sources], np.int64))
+            out.append(dict(used))
             if p + 1 == len(self.phases):
                 break
-            rows = (self.phases[p + 1].start_step - phase.start_step) * self.batch_size
-            full, rest = divmod(rows, BLOCK_ROWS)
-            given = full * np.asarray(phase.counts, np.int64)
-            if rest:  # the phase ends inside a block: count that block's first `rest` slots
-                given += np.bincount(self._block(p, full)[0][:rest], minlength=len(phase.sources))
+            given = self._given_in_phase(p, self._phase_rows[p + 1] - self._phase_rows[p])
             for name, n in zip(phase.sources, given, strict=True):
                 used[name] = used.get(name, 0) + int(n)
+        return out
+
+    def _given_in_phase(self, p: int, rows: int) -> np.ndarray:
+        """Rows each of phase p's sources gives in the phase's first `rows` rows."""
+        phase = self.phases[p]
+        full, rest = divmod(rows, BLOCK_ROWS)
+        given = full * np.asarray(phase.counts, np.int64)
+        if rest:  # inside a block: count that block's first `rest` slots
+            given += np.bincount(self._block(p, full)[0][:rest], minlength=len(phase.sources))
+        return given
+
+    def _source_rows_before(self, row: int) -> dict[str, int]:
+        """Rows each source gave among the run's first `row` global rows (closed form)."""
+        p = max(i for i, r in enumerate(self._phase_rows) if r <= row)
+        out = dict(self._used[p])
+        for name, n in zip(self.phases[p].sources, self._given_in_phase(p, row - self._phase_rows[p]), strict=True):
+            out[name] = out.get(name, 0) + int(n)
+        return out
+
+    def _stretch_offsets(self) -> list[tuple[dict[str, int], dict[str, int]]]:
+        """Per stretch of constant seq_len: (K, off) per source: rows given before it, and the window index
+        its first row of the source takes (tokens covered before it over the new length, rounded up)."""
+        out: list[tuple[dict[str, int], dict[str, int]]] = [({}, {})]
+        tokens: dict[str, int] = {}
+        for q in range(1, len(self.stretches)):
+            before = self._source_rows_before(self._stretch_rows[q - 1])
+            at = self._source_rows_before(self._stretch_rows[q])
+            S_prev, S = self.stretches[q - 1][1], self.stretches[q][1]
+            for name in at:
+                tokens[name] = tokens.get(name, 0) + (at[name] - before.get(name, 0)) * S_prev
+            out.append((at, {name: -(-t // S) for name, t in tokens.items()}))
         return out
 
     # ---------------------------------------------------------------------------------------------
     # Packing: windows of a source's token stream → tokens, targets, segment ids, loss mask.
 
     def _rows(self, step: int, rows: np.ndarray) -> dict[str, np.ndarray]:
-        S = self.seq_len
+        q = self.stretch_at(step)
+        S = self.stretches[q][1]
+        given, offset = self._offsets[q]
         src_index, k = self._assign(step, rows)
         phase = self.phases[self.phase_at(step)]
         out = {
@@ -230,15 +292,16 @@ class Loader:
         for s in np.unique(src_index):
             sel = np.flatnonzero(src_index == s)
             src = self.source(phase.sources[int(s)])
-            starts = self._window_starts(src, k[sel])
+            index = k[sel] - given.get(src.name, 0) + offset.get(src.name, 0)
+            starts = self._window_starts(src, index, S)
             window, valid = src.read(starts, S + 1)
-            packed = self._pack(src, starts, window, valid)
+            packed = self._pack(src, starts, window, valid, S)
             for key, value in packed.items():
                 out[key][sel] = value
         return out
 
-    def _window_starts(self, src: _Source, k: np.ndarray) -> np.ndarray:
-        S = self.seq_len
+    def _window_starts(self, src: _Source, k: np.ndarray, seq_len: int | None = None) -> np.ndarray:
+        S = seq_len or self.seq_len
         n_windows = src.n_tokens // S - 1  # any shift in [0, S) still leaves S+1 tokens per window
         epoch, index = k // n_windows, k % n_windows
         starts = np.empty(len(k), np.int64)
@@ -249,9 +312,11 @@ class Loader:
             starts[sel] = shift + _feistel(index[sel], n_windows, key) * S
         return starts
 
-    def _pack(self, src: _Source, starts: np.ndarray, window: np.ndarray, valid: np.ndarray) -> dict[str, np.ndarray]:
+    def _pack(
+        self, src: _Source, starts: np.ndarray, window: np.ndarray, valid: np.ndarray, seq_len: int | None = None
+    ) -> dict[str, np.ndarray]:
         """Segment ids from the document offsets: +1 at every document start inside the window."""
-        S = self.seq_len
+        S = seq_len or self.seq_len
         offsets = src.offsets
         first = np.searchsorted(offsets, starts, side="right")  # first document starting after `start`
         last = np.searchsorted(offsets, starts + S, side="right")  # … and at or before start + S
@@ -288,8 +353,9 @@ class Loader:
                 f"{store.root}: tokenizer vocab {tok['vocab_size']} exceeds model.vocab_size "
                 f"{self.recipe.model.vocab_size}"
             )
-        if store.num_tokens < 2 * self.seq_len and any(name in p.sources for p in self.phases):
-            raise UserError(f"{store.root}: {store.num_tokens} tokens; source {name!r} needs ≥ 2·seq_len")
+        longest = max(S for _, S, _ in self.stretches)
+        if store.num_tokens < 2 * longest and any(name in p.sources for p in self.phases):
+            raise UserError(f"{store.root}: {store.num_tokens} tokens; source {name!r} needs ≥ 2·seq_len ({longest})")
 
 
 class Prefetcher:
@@ -349,10 +415,35 @@ class Prefetcher:
         self.close()
 
 
+def _stretches(recipe: Recipe) -> list[tuple[int, int, int]]:
+    """(first step, seq_len, batch_size) of each stretch of constant shape under the schedule (changes that
+    keep the shape, like a transport switch, do not start a stretch: the data cannot see them)."""
+    from marinctl.schedule import segments
+
+    out: list[tuple[int, int, int]] = []
+    for seg in segments(recipe):
+        shape = (seg.recipe.train.seq_len, seg.recipe.train.batch_size)
+        if not out or out[-1][1:] != shape:
+            out.append((seg.start, *shape))
+    return out
+
+
+def _stretch_rows(stretches: list[tuple[int, int, int]]) -> list[int]:
+    rows, out = 0, []
+    for q, (start, _, _) in enumerate(stretches):
+        if q:
+            rows += (start - stretches[q - 1][0]) * stretches[q - 1][2]
+        out.append(rows)
+    return out
+
+
 def _phases(recipe: Recipe) -> list[Phase]:
-    """Phases with per-block counts; no [[data.phases]] means equal weights over non-eval sources."""
+    """Phases with per-block counts (`[[data.phases]]` and data.weights changes); none means equal
+    weights over non-eval sources."""
+    from marinctl.schedule import mixture_phases
+
     names = [s.name for s in recipe.data.sources]
-    configured = [(phase_start(p, recipe.train.steps), p.weights) for p in recipe.data.phases]
+    configured = mixture_phases(recipe)
     if not configured:
         train = [n for n in names if n not in recipe.eval.sources]
         if not train:

@@ -17,6 +17,7 @@ append truncates them to the committed counts before writing anything.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -47,6 +48,17 @@ def read_manifest(root: Path) -> dict | None:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise UserError(f"{path}: not a marinctl token store manifest (format {manifest.get('format')!r})")
     return manifest
+
+
+def manifest_hash(root: Path) -> str | None:
+    """SHA-256 of what a store holds (its manifest without the `run` provenance block: inputs and their
+    sha256, tokenizer, counts), or None when there is no store. A checkpoint records it per source, so a
+    store rewritten under a run is caught at resume instead of silently feeding different batches."""
+    manifest = read_manifest(root)
+    if manifest is None:
+        return None
+    content = {k: v for k, v in manifest.items() if k != "run"}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
 def write_manifest(root: Path, manifest: dict) -> None:

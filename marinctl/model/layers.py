@@ -35,13 +35,28 @@ def shard_batch(x: Array) -> Array:
     weight's sharding instead (heads over devices) and reshard around the scan. A no-op without a mesh,
     on a 1-device mesh, or when the dim does not divide (e.g. a small eval batch).
     """
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
-    axes = tuple(a for a in MESH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
-    if not axes or x.shape[0] % math.prod(mesh.shape[a] for a in axes):
+    axes = _batch_axes(x.shape[0])
+    if not axes:
         return x
     return jax.lax.with_sharding_constraint(x, PartitionSpec(axes, *([None] * (x.ndim - 1))))
+
+
+def _batch_axes(n: int) -> tuple[str, ...]:
+    """The mesh axes `shard_batch` splits a leading dim of size n over (none without a mesh or if n does not
+    divide)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    axes = tuple(a for a in MESH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+    if not axes or n % math.prod(mesh.shape[a] for a in axes):
+        return ()
+    return axes
+
+
+def batch_shards(n: int) -> int:
+    """How many ways `shard_batch` splits a leading dim of size n: n / this is the per-device share."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return math.prod(mesh.shape[a] for a in _batch_axes(n))
 
 
 def rms_norm(x: Float[Array, "... d"], eps: float) -> Float[Array, "... d"]:

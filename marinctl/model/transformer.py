@@ -22,6 +22,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from marinctl.model.attention import UNBOUNDED_WINDOW, Attention, LayerFacts, kv_head_map, select_impl
@@ -30,9 +31,20 @@ from marinctl.model.moe import Experts, LatentMoE, SharedExperts
 from marinctl.params import ParamSpec, param_table, tree_paths
 from marinctl.recipe import Recipe
 
+BLOCK_INPUT = "block_input"  # checkpoint_name of each scanned block's input (the residual "offload" moves)
+
 REMAT_POLICIES = {
     "full": None,  # save only the block inputs; recompute the whole block in the backward pass
     "save_dots": jax.checkpoint_policies.dots_saveable,  # keep matmul outputs, recompute the cheap rest
+    # "full", but the block inputs (L x [tokens, D], the hero's 36 GiB per GPU) wait out the forward in
+    # pinned host memory and come back one layer at a time in the backward. XLA:CPU lowers the host
+    # placement as a no-op (CPU memory is host memory); on GPU/TPU it is a real transfer.
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=[BLOCK_INPUT],
+        offload_src="device",
+        offload_dst="pinned_host",
+    ),
 }
 
 
@@ -129,6 +141,15 @@ class Transformer(eqx.Module):
     def __call__(
         self, tokens: Int[Array, "b s"], segment_ids: Int[Array, "b s"], router_bias: Float[Array, "layers e"]
     ) -> tuple[Float[Array, "b s v"], dict[str, Array]]:
+        h, stats = self.features(tokens, segment_ids, router_bias)
+        logits = jnp.einsum("bsd,dv->bsv", h, self.lm_head.weight.astype(h.dtype), preferred_element_type=F32)
+        return logits, stats
+
+    def features(
+        self, tokens: Int[Array, "b s"], segment_ids: Int[Array, "b s"], router_bias: Float[Array, "layers e"]
+    ) -> tuple[Float[Array, "b s d"], dict[str, Array]]:
+        """Everything before the lm_head: the final normed hidden states (compute dtype) and the MoE stats.
+        The chunked loss (`marinctl.model.loss`) applies the lm_head itself, a token chunk at a time."""
         dtype = compute_dtype(self.compute_dtype)
         impl = select_impl(self.blocks.attention.config.impl, dtype)
         positions = document_positions(segment_ids)
@@ -140,16 +161,15 @@ class Transformer(eqx.Module):
 
         def layer(x, inputs):
             block, facts, bias = inputs
-            x, stats = block(shard_batch(x), segment_ids, positions, facts, bias, impl)
+            x = checkpoint_name(shard_batch(x), BLOCK_INPUT)  # the one residual "offload" sends to the host
+            x, stats = block(x, segment_ids, positions, facts, bias, impl)
             return shard_batch(x), stats
 
         if self.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
         x, stats = jax.lax.scan(layer, x, (self.blocks, self.layer_facts(), router_bias))
 
-        h = normalize(self.final_norm, self.final_gated_norm, x, dtype)
-        logits = jnp.einsum("bsd,dv->bsv", h, self.lm_head.weight.astype(dtype), preferred_element_type=F32)
-        return logits, stats
+        return normalize(self.final_norm, self.final_gated_norm, x, dtype), stats
 
 
 # --------------------------------------------------------------------------------------------------

@@ -91,7 +91,7 @@ def build_optimizer(recipe: Recipe, params) -> optax.GradientTransformation:
             hyperball(lr_schedule(hp, hp.adamh_lr), scopes),
         ),
         "muonh": optax.chain(
-            scale_by_muon(o.muon_momentum, coefficient_schedule(o.ns_coefficients, o.ns_steps)),
+            scale_by_muon(o.muon_momentum, coefficient_schedule(o.ns_coefficients, o.ns_steps), jnp.dtype(o.ns_dtype)),
             hyperball(lr_schedule(hp, hp.muonh_lr), scopes),
         ),
     }

@@ -14,8 +14,10 @@ counted before drops). Arrays are global-view: the model calls these under jit.
 - `fixed`: fixed-capacity cells per (sender, expert), one all_to_all each way (token dropping).
 - `pooled`: pooled waves, sender pools per destination and receiver buffers per expert (the hero's
   transport before the switch); sender and receiver drops are counted separately.
-- `ragged`: dropless; `jax.lax.ragged_all_to_all` + `jax.lax.ragged_dot` on GPU/TPU, an emulated
-  exchange with identical results on CPU.
+- `ragged`: dropless; `jax.lax.ragged_all_to_all` + `jax.lax.ragged_dot` on GPU/TPU. On CPU, whose
+  XLA has neither a ragged collective nor a grouped `ragged_dot` (it lowers to a product over every
+  group), sorted rows in per-expert tiles through a tile loop that costs the rows it computes, with no
+  exchange on one expert shard (`_grouped_body`); identical results.
 The last three run per shard inside `jax.shard_map` over the context mesh (`jax.set_mesh`): tokens are
 sharded over every mesh axis, expert weights' E dim over `expert`, and rows cross the `expert` axis at
 latent width. Without a mesh they run the same algorithm as one shard. Routing metrics derived from the
@@ -27,6 +29,7 @@ stats (entropy, max/mean load, drop fraction) are in `marinctl.routing.quantile_
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -101,6 +104,13 @@ class _Shard:
 
     def index(self):
         return jax.lax.axis_index(self.expert_axis) if self.expert_axis else jnp.int32(0)
+
+    def vary(self, x):
+        """Mark expert weights (replicated over the token axes but `expert`) as varying there, so their
+        gradient's psum over those axes happens here: not inside a per-device branch (devices that skip
+        it would leave the collective waiting) nor inside a custom VJP."""
+        axes = tuple(a for a in self.token_axes if a != self.expert_axis)
+        return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 
 Body = Callable[..., tuple[Float[Array, "T l"], Stats]]
@@ -357,15 +367,268 @@ def _ragged_body(u, expert_idx, combine, valid, w_gate, w_up, w_down, *, moe: Mo
     return y, _stats(shard, expert, valid_a, n_experts, 0, receiver_drops)
 
 
-def ragged_transport(native: bool | None = None) -> Transport:
-    """The dropless transport (unless `moe.ragged_buffer_factor` bounds its buffer). `native=None` picks
-    by backend: `jax.lax.ragged_all_to_all` on GPU/TPU, the emulated exchange (identical results) on
-    CPU, whose XLA rejects the ragged collective. The bench forces either to compare them."""
+# --------------------------------------------------------------------------------------------------
+# grouped: the CPU's dropless path. XLA:CPU has no ragged collective, and `jax.lax.ragged_dot` lowers
+# there to a dense product over every group (each row costs G rows), so on CPU the rows are laid out in
+# tiles of `block` rows, each tile holding one expert's rows, and the experts run as batched matmuls over
+# tiles: every computed row is an assigned row or the padding of its expert's last tile.
+
+
+def _take(x, index, fill: int = 0):
+    """x[index] along the first axis; an out-of-range index reads `fill` (a zero row for data)."""
+    return jnp.take(x, index, axis=0, mode="fill", fill_value=fill)
+
+
+def _linear(move: Callable, transpose: Callable, x, *aux):
+    """`move(x)` for a linear `move` (row gathers through partial bijections, all_to_all, a static-branch
+    switch of those) whose transpose is given. Differentiated as a linear map, autodiff keeps no residuals
+    (a switch would hand every branch's zero-filled residuals to the backward pass), and the gradient of a
+    gather is the inverse gather, not the scatter-add that XLA:CPU runs as a serial loop.
+    `aux` (integer arrays: indices, the branch) passes explicitly, as a custom VJP may not close over them."""
+
+    @jax.custom_vjp
+    def f(x, *aux):
+        return move(x, *aux)
+
+    f.defvjp(lambda x, *aux: (move(x, *aux), aux), lambda aux, g: (transpose(g, *aux), *(None for _ in aux)))
+    return f(x, *aux)
+
+
+def _inverse(slot: Int[Array, " N"], size: int) -> Int[Array, " size"]:
+    """inverse[slot[j]] = j for every slot in [0, size); `len(slot)` (out of range) elsewhere."""
+    n = slot.shape[0]
+    return jnp.full((size,), n, jnp.int32).at[slot].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+
+
+def _block_rows(rows_per_group: float) -> int:
+    """Tile height: a power of two near half a group's expected rows, within [8, 128]. Taller tiles run
+    faster matmuls and fewer loop steps but pad each group's last tile by up to `block - 1` rows."""
+    target = max(8.0, min(128.0, rows_per_group / 2))
+    return 1 << math.floor(math.log2(target))
+
+
+def _tile_groups(counts: Int[Array, " G"], n_tiles: int, block: int) -> tuple[Int[Array, " n"], Int[Array, ""]]:
+    """Group g owns tiles `start[g] .. start[g] + ceil(counts[g] / block)`: each tile's group (sorted)
+    and how many tiles hold rows (the rest are empty)."""
+    ends = jnp.cumsum((counts + block - 1) // block)
+    tile_group = jnp.sum(jnp.arange(n_tiles, dtype=jnp.int32)[:, None] >= ends[None, :], axis=1)
+    return jnp.minimum(tile_group, counts.shape[0] - 1).astype(jnp.int32), ends[-1]
+
+
+def _tile_slots(group: Int[Array, " N"], rank: Int[Array, " N"], counts: Int[Array, " G"], n_tiles: int, block: int):
+    """(slot, source): row r goes to buffer row `slot[r]` (its group's tiles, in `rank` order; rows with
+    group = G are not placed and get `n_tiles·block`), and `source` is the inverse."""
+    n_groups = counts.shape[0]
+    tiles = (counts + block - 1) // block
+    starts = jnp.cumsum(tiles) - tiles
+    placed = group < n_groups
+    slot = jnp.where(placed, starts[jnp.minimum(group, n_groups - 1)] * block + rank, n_tiles * block)
+    slot = slot.astype(jnp.int32)
+    return slot, _inverse(slot, n_tiles * block)
+
+
+def _chunk_sizes(expected: float, largest: int) -> list[int]:
+    """Static slice sizes for the exchange: 1.25× the expected slice, growing 1.5× up to the largest
+    possible one. The wire carries at most 1.5× the rows of the fullest slice and the branches stay few."""
+    sizes, size = [], 8 * math.ceil(1.25 * expected / 8)
+    while size < largest:
+        sizes.append(size)
+        size = 8 * math.ceil(1.5 * size / 8)
+    return [*sizes, largest]
+
+
+def _max_tiles(rows: int, n_groups: int, block: int) -> int:
+    """Tiles that any split of `rows` rows over `n_groups` groups can need: Σ ceil(c_g / block)."""
+    return max(1, (rows + n_groups * (block - 1)) // block)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=())
+def _tiled_swiglu(x: Float[Array, "n b l"], tile_group: Int[Array, " n"], used: Int[Array, ""], w_gate, w_up, w_down):
+    """SwiGLU of each tile's expert over its rows (SPEC 2 LatentMoE 5), tiles `used` and later skipped.
+
+    A loop over tiles that reads its expert's matrices in place: a batched matmul would first copy every
+    tile's [l, I] matrices (more bytes than the rows), and autodiff of the loop would add a whole [E, l, I]
+    cotangent per tile. The custom backward is the same loop, adding each tile's weight gradient into
+    its expert's slot only. Empty rows are zero and stay zero (no biases); skipped tiles come out zero.
+    """
+    return _tiled_swiglu_fwd(x, tile_group, used, w_gate, w_up, w_down)[0]
+
+
+def _tile_loop(body, used, xs, init=None):
+    """`body(carry, xs[n]) -> (carry, out_n)` for tiles n < `used` only (a loop with a data-dependent trip
+    count, so tiles past `used` cost nothing); outputs of the other tiles are zero. Like `lax.scan`'s
+    result, but not differentiable: the callers are the two halves of a custom VJP."""
+    n_tiles = jax.tree.leaves(xs)[0].shape[0]
+    first = jax.tree.map(lambda a: a[0], xs)
+    out_shape = jax.eval_shape(lambda c, x: body(c, x)[1], init, first)
+    # A zero that varies like the tile rows (over every mesh axis inside `shard_map`): the loop's carry
+    # must keep one type, and fresh zeros vary over none.
+    zero = jnp.zeros((), jax.tree.leaves(xs)[0].dtype) * jax.tree.leaves(xs)[0].reshape(-1)[0]
+    outs = jax.tree.map(lambda o: jnp.zeros((n_tiles, *o.shape), o.dtype) + zero.astype(o.dtype), out_shape)
+    init = jax.tree.map(lambda c: c + zero.astype(c.dtype), init)
+
+    def step(n, state):
+        carry, outs = state
+        carry, out = body(carry, jax.tree.map(lambda a: a[n], xs))
+        return carry, jax.tree.map(lambda buf, o: buf.at[n].set(o), outs, out)
+
+    return jax.lax.fori_loop(0, used, step, (init, outs))
+
+
+def _tiled_swiglu_fwd(x, tile_group, used, w_gate, w_up, w_down):
+    w_gate, w_up, w_down = (jnp.asarray(w) for w in (w_gate, w_up, w_down))
+
+    def body(_, args):
+        rows, e = args
+        gate, up = rows @ w_gate[e], rows @ w_up[e]
+        return None, ((jax.nn.silu(gate) * up) @ w_down[e], gate, up)
+
+    _, (out, gate, up) = _tile_loop(body, used, (x, tile_group))
+    return out, (x, tile_group, used, gate, up, w_gate, w_up, w_down)
+
+
+def _tiled_swiglu_bwd(res, d_out):
+    x, tile_group, used, gate, up, w_gate, w_up, w_down = res
+
+    def body(grads, args):
+        dg_w, du_w, dd_w = grads
+        rows, e, a, b, dy = args
+        sig = jax.nn.sigmoid(a)
+        silu = a * sig
+        dd_w = dd_w.at[e].add((silu * b).T @ dy)
+        dh = dy @ w_down[e].T
+        da = dh * b * sig * (1 + a * (1 - sig))  # d silu(a)/da = σ(a)(1 + a(1 − σ(a)))
+        db = dh * silu
+        dg_w = dg_w.at[e].add(rows.T @ da)
+        du_w = du_w.at[e].add(rows.T @ db)
+        return (dg_w, du_w, dd_w), da @ w_gate[e].T + db @ w_up[e].T
+
+    zeros = tuple(jnp.zeros_like(w) for w in (w_gate, w_up, w_down))
+    (dg_w, du_w, dd_w), dx = _tile_loop(body, used, (x, tile_group, gate, up, d_out), zeros)
+    return dx, None, None, dg_w, du_w, dd_w
+
+
+_tiled_swiglu.defvjp(_tiled_swiglu_fwd, _tiled_swiglu_bwd)
+
+
+def _grouped_body(u, expert_idx, combine, valid, w_gate, w_up, w_down, *, moe: MoEConfig, shard: _Shard):
+    """`ragged`'s layout and drop rule (see `_ragged_body`) without ragged collectives or `ragged_dot`.
+
+    Sender: assignments sorted by expert; the slice for expert shard d goes out padded to a static chunk
+    in one dense all_to_all (none with one expert shard, where sender and receiver moves compose into
+    one gather). Receiver: from the all-gathered counts it knows each arriving row's local expert and
+    places it in that expert's tiles (source order, then the sender's order, as the ragged buffer fills),
+    runs the used tiles (`_tiled_swiglu`) and sends the rows back the same way. Every move is a gather
+    whose gradient is a gather (`_linear`). The chunk comes from a few static sizes chosen by the
+    fullest slice in the expert group, so neither the wire nor the tile loop is sized by the worst case
+    (every token of every sender to one shard) unless the batch is that skewed.
+    """
+    n_tokens, width = u.shape
+    e_loc, S = w_gate.shape[0], shard.expert_size
+    n_experts, top_k = e_loc * S, expert_idx.shape[1]
+    expert, _, valid_a = _flat_assignments(expert_idx, valid)
+    n_assign = expert.shape[0]
+    sort_key = jnp.where(valid_a, expert, n_experts)
+    order = jnp.argsort(sort_key, stable=True)
+    counts = jnp.bincount(sort_key, length=n_experts + 1)[:n_experts].astype(jnp.int32)
+    gathered = shard.all_gather(counts)  # [source, expert]
+    me = shard.index()
+    buffer_rows = ragged_buffer_rows(moe, n_tokens, S)
+    flow = gathered.reshape(S, S, e_loc).sum(axis=2)  # flow[s, d]: rows source s has for shard d
+    landing = _exclusive_cumsum(flow, axis=0)
+    sent = jnp.clip(buffer_rows - landing, 0, flow)  # what fits in d's buffer (all of it when unbounded)
+
+    # Sender: sorted row i is position i - (start of its slice) in the slice for its destination.
+    sorted_key = sort_key[order]
+    dest = jnp.minimum(sorted_key // e_loc, S - 1)
+    position = jnp.arange(n_assign, dtype=jnp.int32) - _exclusive_cumsum(flow[me])[dest]
+    goes = (sorted_key < n_experts) & (position < sent[me][dest])
+    keep = jnp.zeros_like(valid_a).at[order].set(goes)
+    # Receiver: source s's chunk holds sent[s, me] rows, its counts for my experts in expert order, cut at the tail.
+    mine = jax.lax.dynamic_slice_in_dim(gathered, me * e_loc, e_loc, axis=1)  # [source, local expert]
+    mine = jnp.clip(sent[:, me][:, None] - _exclusive_cumsum(mine, axis=1), 0, mine)
+    block = _block_rows(n_assign / e_loc)
+    u_rep = jnp.repeat(u, top_k, axis=0)  # assignment a = t·K + k reads u[t]
+    weights = tuple(shard.vary(w) for w in (w_gate, w_up, w_down))
+    # A slice carries at most one row per (token, expert) pair, and never more than the buffer. The wire
+    # and the tile buffer are sized for the fullest slice in the expert group, from a few static sizes
+    # (every member sees the same counts, so all take the same branch and meet in the same collectives).
+    chunks = _chunk_sizes(n_assign / S, min(n_tokens * min(top_k, e_loc), buffer_rows)) if S > 1 else [n_assign]
+    branch = jnp.sum(jnp.asarray(chunks[:-1], jnp.int32) < jnp.max(sent)).astype(jnp.int32)
+    n_max = _max_tiles(min(S * chunks[-1], buffer_rows), e_loc, block)
+    tile_group, used = _tile_groups(mine.sum(axis=0), n_max, block)
+
+    def layout(chunk: int, plan):
+        """Where my sorted rows sit on the wire (`chunk_slot`) and arriving rows in my tiles."""
+        order, goes, dest, position, mine = plan
+        chunk_slot_sorted = jnp.where(goes, dest * chunk + position, S * chunk).astype(jnp.int32)
+        chunk_slot = jnp.zeros((n_assign,), jnp.int32).at[order].set(chunk_slot_sorted)
+        row = jnp.arange(chunk, dtype=jnp.int32)
+        local = jnp.sum(row[None, :, None] >= jnp.cumsum(mine, axis=1)[:, None, :], axis=2)  # e_loc: empty row
+        local_c = jnp.minimum(local, e_loc - 1)
+        within = row[None, :] - jnp.take_along_axis(_exclusive_cumsum(mine, axis=1), local_c, axis=1)
+        rank = within + jnp.take_along_axis(_exclusive_cumsum(mine, axis=0), local_c, axis=1)
+        n_tiles = _max_tiles(min(S * chunk, buffer_rows), e_loc, block)
+        slot, source = _tile_slots(local.reshape(-1), rank.reshape(-1), mine.sum(axis=0), n_tiles, block)
+        return chunk_slot, slot, source, n_tiles * block
+
+    def to_tiles(chunk: int, x: Float[Array, "A l"], plan) -> Float[Array, "M l"]:
+        """Assignment rows -> my tile buffer (zero rows up to the largest branch's size)."""
+        chunk_slot, _, source, rows = layout(chunk, plan)
+        if S == 1:  # no exchange: sender and receiver moves compose into one gather
+            x = _take(x, _take(_inverse(chunk_slot, chunk), source, fill=n_assign))
+        else:
+            send = _take(x, _inverse(chunk_slot, S * chunk)).reshape(S, chunk, width)
+            x = _take(shard.all_to_all(send).reshape(S * chunk, width), source)
+        return jnp.pad(x, ((0, n_max * block - rows), (0, 0)))
+
+    def from_tiles(chunk: int, y: Float[Array, "M l"], plan) -> Float[Array, "A l"]:
+        """The transpose of `to_tiles`: tile rows back to the assignments they came from (0 if dropped)."""
+        chunk_slot, slot, _, rows = layout(chunk, plan)
+        y = y[:rows]
+        if S == 1:
+            return _take(y, _take(slot, chunk_slot, fill=rows))
+        back = _take(y, slot).reshape(S, chunk, width)
+        return _take(shard.all_to_all(back).reshape(S * chunk, width), chunk_slot)
+
+    def pick(fns):
+        def run(x, branch, *plan):
+            return fns[0](x, plan) if len(fns) == 1 else jax.lax.switch(branch, fns, x, plan)
+
+        return run
+
+    forward = pick([functools.partial(to_tiles, c) for c in chunks])
+    backward = pick([functools.partial(from_tiles, c) for c in chunks])
+    plan = (branch, order, goes, dest, position, mine)
+    x = _linear(forward, backward, u_rep, *plan)
+    out = _tiled_swiglu(x.reshape(n_max, block, width), tile_group, used, *weights)
+    y_assign = _linear(backward, forward, out.reshape(n_max * block, width), *plan)
+    y = _combine(y_assign, combine, keep)
+    receiver_drops = jnp.sum(valid_a) - jnp.sum(keep)
+    return y, _stats(shard, expert, valid_a, n_experts, 0, receiver_drops)
+
+
+EXCHANGES = ("native", "emulated", "grouped")
+
+
+def ragged_transport(exchange: str | None = None) -> Transport:
+    """The dropless transport (unless `moe.ragged_buffer_factor` bounds its buffer), one of three ways:
+
+    - "native": `jax.lax.ragged_all_to_all` + `jax.lax.ragged_dot` (GPU/TPU; lowered in CPU tests);
+    - "emulated": the same body with the exchange emulated by a dense all_to_all: the CPU check of the
+      native path's offsets (slow: CPU `ragged_dot` costs every group for every row);
+    - "grouped": sorted tiles and batched matmuls, no exchange with one expert shard (`_grouped_body`).
+    `None` picks by backend: "native" on GPU/TPU, "grouped" elsewhere. All give identical results.
+    """
+    if exchange is not None and exchange not in EXCHANGES:
+        raise ValueError(f"unknown ragged exchange {exchange!r} (choose from {', '.join(EXCHANGES)})")
 
     def ragged(u, expert_idx, combine, valid, w_gate, w_up, w_down, *, moe: MoEConfig, shard: _Shard):
-        use_native = jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") if native is None else native
+        how = exchange or ("native" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "grouped")
+        if how == "grouped":
+            return _grouped_body(u, expert_idx, combine, valid, w_gate, w_up, w_down, moe=moe, shard=shard)
         return _ragged_body(
-            u, expert_idx, combine, valid, w_gate, w_up, w_down, moe=moe, shard=shard, native=use_native
+            u, expert_idx, combine, valid, w_gate, w_up, w_down, moe=moe, shard=shard, native=how == "native"
         )
 
     return _expert_parallel(ragged)

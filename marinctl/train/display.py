@@ -21,6 +21,7 @@ class LiveDisplay:
         self.interactive = enabled and console.is_terminal
         self.every = max(1, (total_steps - start_step) // 20)
         self._start_time, self._start_step = time.perf_counter(), start_step
+        self.note = ""  # e.g. the last eval's distance from the ladder forecast, shown after the figures
         self._progress: Progress | None = None
         if self.interactive:
             self._progress = Progress(
@@ -41,7 +42,7 @@ class LiveDisplay:
         step = record["step"]
         figures = (
             f"loss {record['loss']:.4f}  {record['tokens_per_s']:,.0f} tok/s  MFU {record['mfu']:.1%}  "
-            f"drop {record['drop_frac']:.2%}"
+            f"drop {record['drop_frac']:.2%}{self.note}"
         )
         if self._progress is not None:
             self._progress.update(self._task, completed=step + 1, figures=figures)

@@ -6,6 +6,9 @@ tested against). For hero-sized experts `dense` would materialize every token th
 (the [tokens, E, I] intermediate below), so past `DENSE_EVAL_BYTES` per device evaluation uses `ragged`,
 which is dropless too and equals `dense` (SPEC 4). The macro loss is the unweighted mean over eval
 sources of each source's mean per-token loss (nats).
+
+The context is the given recipe's `train.seq_len`: after a context extension (docs/recipe.md §8) the
+trainer passes the recipe in effect, and again the run's first context (`marinctl.schedule.at_context`).
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ def evaluate(
     losses = []
     for source in recipe.eval.sources:
         total_ce, total_tokens = 0.0, 0.0
-        for batch in loader.eval_batches(source, recipe.eval.batches, batch_size):
+        for batch in loader.eval_batches(source, recipe.eval.batches, batch_size, recipe.train.seq_len):
             host = {k: v[rows] for k, v in batch.items()}
             ce, n = eval_step(model, router_bias, device_batch(host, batch_sharding, batch_size))
             total_ce, total_tokens = total_ce + float(ce), total_tokens + float(n)

@@ -9,6 +9,7 @@ planner's estimate of gradients, activations and MoE buffers. It runs for the he
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -109,8 +110,9 @@ def abstract_mesh(sizes: dict[str, int]) -> AbstractMesh:
     return AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def dry_run(recipe: Recipe, n_devices: int | None = None) -> dict[str, Any]:
-    """Shapes-only build of the full state on the recipe's mesh: divisibility, exact and estimated bytes."""
+def dry_run(recipe: Recipe, n_devices: int | None = None, *, compile_step: bool = False) -> dict[str, Any]:
+    """Shapes-only build of the full state on the recipe's mesh: divisibility, exact and estimated bytes;
+    with `compile_step`, also XLA's memory analysis of the compiled step (`compiled_memory`)."""
     from marinctl.train.checkpoint import flatten_state
     from marinctl.train.state import abstract_state, make_optimizer, state_shardings
 
@@ -141,25 +143,133 @@ def dry_run(recipe: Recipe, n_devices: int | None = None) -> dict[str, Any]:
     if problems:
         raise UserError(f"{recipe.source}: {len(problems)} leaves do not divide over the mesh, e.g. {problems[0]}")
     estimate = memory_estimate(recipe, sizes)
-    return {
+    exact = {"params": per_device["model"], "optimizer": per_device["opt_state"], "other_state": per_device["other"]}
+    parts = {k: v for k, v in estimate.parts.items() if k not in ("params", "optimizer")}
+    report: dict[str, Any] = {
         "recipe": recipe.name,
         "devices": n,
         "mesh": sizes,
         "leaves": len(leaves),
         "state_bytes_total": total_bytes,
-        "per_device_bytes": {
-            "params": per_device["model"],
-            "optimizer": per_device["opt_state"],
-            "other_state": per_device["other"],
-            "gradients_est": estimate.gradients,
-            "activations_est": estimate.activations,
-            "moe_buffers_est": estimate.moe_buffers,
-            "total": per_device["model"]
-            + per_device["opt_state"]
-            + per_device["other"]
-            + estimate.gradients
-            + estimate.activations
-            + estimate.moe_buffers,
-        },
-        "planner_estimate": {k: v for k, v in estimate.__dict__.items()} | {"total": estimate.total},
+        # exact state bytes, then the planner's components at the step's peak (GPU: the recipe's target)
+        "per_device_bytes": exact | parts | {"total": sum(exact.values()) + sum(parts.values())},
+        # beside the device peak, not in it: what the step keeps in the host's pinned memory per device
+        "host_bytes_per_device": {k: v for k, v in estimate.host.items() if v},
+        "planner_estimate": estimate.as_dict(),
+    }
+    segs = schedule_segments(recipe, sizes)
+    if len(segs) > 1:
+        report["segments"] = segs
+    if compile_step:
+        report["compiled"] = compiled_memory(recipe, sizes)
+    return report
+
+
+def schedule_segments(recipe: Recipe, sizes: dict[str, int]) -> list[dict[str, Any]]:
+    """The planner's peak for every stretch of `[[schedule.changes]]` (a transport or context switch
+    changes the buffers): the run fits only if each one does."""
+    from marinctl.schedule import segments
+
+    out = []
+    for seg in segments(recipe):
+        est = memory_estimate(seg.recipe, sizes)
+        out.append(
+            {
+                "start_step": seg.start,
+                "labels": list(seg.labels),
+                "seq_len": seg.recipe.train.seq_len,
+                "transport": seg.recipe.moe.transport,
+                "total": est.total,
+                "host": sum(est.host.values()),
+                "peak_phase": est.peak_phase,
+            }
+        )
+    return out
+
+
+def compile_plan(recipe: Recipe, sizes: dict[str, int]) -> tuple[Recipe, dict[str, int]]:
+    """The recipe and mesh `--compile` builds. Parameters are never sharded over `replica` (plain data
+    parallelism), so folding the replicas into one, with the batch divided by them, gives every device
+    exactly the shapes it has on the full mesh: the hero's 704-device step compiles on 64 devices."""
+    replica = sizes["replica"]
+    if replica == 1 or recipe.train.batch_size % replica:
+        return recipe, sizes
+    folded = dataclasses.replace(
+        recipe,
+        parallel=dataclasses.replace(recipe.parallel, replica=1),
+        train=dataclasses.replace(recipe.train, batch_size=recipe.train.batch_size // replica),
+    )
+    return folded, sizes | {"replica": 1}
+
+
+def compile_device_count(recipe: Recipe, n_devices: int | None = None) -> int:
+    """Devices `--compile` needs: the recipe's mesh with its replicas folded (see `compile_plan`)."""
+    n = n_devices or recipe_device_count(recipe.parallel)
+    if n is None:
+        raise UserError(f"{recipe.source}: parallel has a -1 (fill) axis: give the device count with --devices N")
+    return math.prod(compile_plan(recipe, mesh_sizes(recipe, n))[1].values())
+
+
+def ensure_host_devices(n: int) -> None:
+    """Ask XLA for `n` simulated CPU devices, unless the environment already chose a count. Only the host
+    platform reads this flag (a GPU run is unaffected), and only before JAX starts its backends."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def compiled_memory(recipe: Recipe, sizes: dict[str, int]) -> dict[str, Any]:
+    """Compile the real sharded train step for abstract arguments (nothing is allocated) and return XLA's
+    `memory_analysis()` per device beside the planner's estimate for the same platform and mesh.
+
+    XLA's peak is arguments + outputs − aliased (the donated state is updated in place) + temporaries;
+    its host temporaries (offloaded remat saves on a GPU) sit beside it, as the planner's `host` does.
+    On CPU the step compiles with the CPU's choices (fp32 for compute_dtype "auto", the XLA attention
+    path), and the planner is asked about exactly that program, so the two figures are comparable.
+    """
+    import time
+
+    from marinctl.routing.mesh import batch_sharding, make_mesh
+    from marinctl.train.state import make_optimizer, state_shardings
+    from marinctl.train.step import compile_train_step
+
+    run_recipe, run_sizes = compile_plan(recipe, sizes)
+    n = math.prod(run_sizes.values())
+    devices = jax.devices()
+    if len(devices) < n:
+        raise UserError(
+            f"{recipe.source}: --compile needs {n} devices, {len(devices)} present "
+            f"(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={n})"
+        )
+    platform = "gpu" if devices[0].platform in ("gpu", "cuda", "rocm") else "cpu"
+    mesh = make_mesh(run_recipe.parallel, devices[:n])
+    optimizer = make_optimizer(run_recipe)
+    start = time.perf_counter()
+    with jax.set_mesh(mesh):
+        shardings = state_shardings(run_recipe, optimizer, mesh)
+        compiled = compile_train_step(run_recipe, optimizer, shardings, batch_sharding(mesh))
+    seconds = time.perf_counter() - start
+    stats = compiled.memory_analysis()
+    xla = {
+        "argument": int(stats.argument_size_in_bytes),
+        "output": int(stats.output_size_in_bytes),
+        "alias": int(stats.alias_size_in_bytes),
+        "temp": int(stats.temp_size_in_bytes),
+        "generated_code": int(stats.generated_code_size_in_bytes),
+        # host memory space (model.remat = "offload"): XLA:CPU lowers host placement as a no-op, so 0 there
+        "host_temp": int(getattr(stats, "host_temp_size_in_bytes", 0)),
+        "host_argument": int(getattr(stats, "host_argument_size_in_bytes", 0)),
+        "host_output": int(getattr(stats, "host_output_size_in_bytes", 0)),
+    }
+    xla["peak"] = xla["argument"] + xla["output"] - xla["alias"] + xla["temp"]
+    planner = memory_estimate(run_recipe, run_sizes, platform=platform)
+    return {
+        "platform": devices[0].platform,
+        "devices": n,
+        "mesh": run_sizes,
+        "replicas_folded": sizes["replica"] if run_sizes is not sizes else 1,
+        "compile_seconds": round(seconds, 2),
+        "xla_bytes": xla,
+        "planner_bytes": planner.as_dict(),
+        "difference": planner.total / xla["peak"] - 1.0 if xla["peak"] else None,
     }

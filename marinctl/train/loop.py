@@ -7,13 +7,14 @@
         checkpoint every N (async) · evaluate every M (dropless) · stop cleanly on SIGTERM/SIGUSR1
 
 Exact resume: the state holds everything that evolves (model, optimizer, QB bias, step = data position,
-RNG, skipped count), the batch is a pure function of (seed, step), the monitors' history rides in the
+RNG, skipped count), the batch is a pure function of (seed, step, schedule), the monitors' history rides in the
 checkpoint metadata, and metrics.jsonl is cut back to the checkpoint. So a run killed after a checkpoint
 and re-run ends bitwise equal to an uninterrupted one on the same devices.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -56,7 +57,7 @@ class RunSummary:
     final_loss: float | None
     eval_macro_loss: float | None
     run_dir: str
-    exit_reason: str  # "done" | "preempted" | "diverged"
+    exit_reason: str  # "done" | "preempted" | "diverged" | "disk-full"
     initial_eval_macro_loss: float | None = None
     eval: dict[str, float] = field(default_factory=dict)
     resumed_from: int | None = None
@@ -125,9 +126,9 @@ def configure_jax() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
-def eval_due(step: int, last_step: int, every: int) -> bool:
-    """At the start (step 0), every `eval.every` steps, and at the end."""
-    return step == 0 or step == last_step or (every > 0 and step % every == 0)
+def eval_due(step: int, last_step: int, every: int, grid: frozenset[int] = frozenset()) -> bool:
+    """At the start (step 0), every `eval.every` steps, at the ladder grid's steps, and at the end."""
+    return step == 0 or step == last_step or (every > 0 and step % every == 0) or step in grid
 
 
 def prepare_run_dir(run_dir: Path, recipe: Recipe, is_main: bool) -> None:
@@ -149,6 +150,12 @@ def prepare_run_dir(run_dir: Path, recipe: Recipe, is_main: bool) -> None:
     os.replace(tmp, path)
 
 
+def _at(key: str, seq_len: int) -> str:
+    """An eval key at another context: `macro_loss` -> `macro_loss@256`, `loss/docs` -> `loss@256/docs`."""
+    head, sep, tail = key.partition("/")
+    return f"{head}@{seq_len}{sep}{tail}"
+
+
 def _changed_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
     out = []
     for key in sorted(set(a) | set(b)):
@@ -162,21 +169,35 @@ def _changed_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
 
 def run(recipe: Recipe, options: RunOptions) -> RunSummary:
     """Train `recipe` into `options.run_dir` (resuming from its newest valid checkpoint)."""
+    from contextlib import nullcontext
+
+    from marinctl.runlock import RunLock
     from marinctl.train import distributed
 
-    distributed.initialize(options.distributed)  # before anything else touches the devices
-    configure_jax()
-    import jax
+    # One trainer per run dir, taken before anything else so a second one is refused at once; process 0
+    # holds it for a multi-process run (the run dir is shared).
+    main_process = options.distributed is None or options.distributed.process_id == 0
+    with RunLock(options.run_dir) if main_process else nullcontext():
+        distributed.initialize(options.distributed)  # before anything else touches the devices
+        configure_jax()
+        import jax
 
-    from marinctl.train.launch import check_batch_divides, check_fits
+        from marinctl.train.launch import check_batch_divides, check_fits
 
-    wall_start = time.perf_counter()
-    devices = list(options.devices or jax.devices())
-    process_index, process_count = jax.process_index(), jax.process_count()
-    # Fail fast, before tokenizing or allocating anything.
-    sizes = check_fits(recipe, devices)
-    check_batch_divides(recipe, len(devices), process_count)
-    return _Run(recipe, options, devices, sizes, process_index, process_count, wall_start).execute()
+        wall_start = time.perf_counter()
+        devices = list(options.devices or jax.devices())
+        process_index, process_count = jax.process_index(), jax.process_count()
+        # Fail fast, before tokenizing or allocating anything.
+        from marinctl.schedule import segments, with_recorded
+
+        given, recipe = recipe, with_recorded(recipe, options.run_dir)  # + switch-ep / extend-context changes
+        sizes = check_fits(recipe, devices)
+        for segment in segments(recipe):  # every shape the schedule will train (docs/recipe.md §8)
+            check_batch_divides(segment.recipe, len(devices), process_count)
+            check_fits(segment.recipe, devices)  # a longer context needs more activation memory
+        job = _Run(recipe, options, devices, sizes, process_index, process_count, wall_start)
+        job.saved_recipe = given  # RUN_DIR/recipe.toml keeps the recipe as given; recorded changes stay apart
+        return job.execute()
 
 
 class _Run:
@@ -189,6 +210,7 @@ class _Run:
         self.wall_start = wall_start
         self.out = console()
         self.show = self.is_main and not options.quiet
+        self.saved_recipe = recipe
 
     def execute(self) -> RunSummary:
         import jax
@@ -196,18 +218,22 @@ class _Run:
         from marinctl.counting import flops_per_token
         from marinctl.data.builtin import ensure_builtin_corpus
         from marinctl.data.loader import Loader
+        from marinctl.data.store import manifest_hash
+        from marinctl.forecast import load_run_forecast
         from marinctl.hparams import hyperparams
         from marinctl.params import param_table
         from marinctl.routing.mesh import batch_sharding, make_mesh
-        from marinctl.train.checkpoint import Checkpoints, unflatten_like
+        from marinctl.schedule import segment_at, segments
+        from marinctl.train.checkpoint import CheckpointDiskFull, Checkpoints, unflatten_like
         from marinctl.train.evaluate import compile_eval_step
         from marinctl.train.metrics import MetricsLog, device_peak_flops, make_sinks
         from marinctl.train.monitors import HealthMonitor
         from marinctl.train.state import abstract_state, init_state, make_optimizer, state_shardings, with_shardings
-        from marinctl.train.step import compile_param_norms, compile_train_step
+        from marinctl.train.step import compile_param_norms
 
         recipe, run_dir = self.recipe, self.options.run_dir
-        prepare_run_dir(run_dir, recipe, self.is_main)
+        self.forecast = load_run_forecast(recipe)  # a bad forecast file fails before the run dir is touched
+        prepare_run_dir(run_dir, self.saved_recipe, self.is_main)
         self._corpus(ensure_builtin_corpus)
         self.loader = Loader(recipe)
 
@@ -230,7 +256,12 @@ class _Run:
             )
             with jax.set_mesh(self.mesh):
                 restored = self.checkpoints.restore_latest(abstract)
+                self._data_hashes = {name: manifest_hash(path) for name, path in self.loader.paths.items()}
                 if restored is not None:
+                    self._check_data_unchanged(restored)
+                    from marinctl.schedule import check_schedule_history
+
+                    check_schedule_history(recipe, restored.step, restored.meta, ckpt_dir)
                     state = unflatten_like(abstract, restored.state)
                     self.monitor.load_state_dict(restored.meta["monitors"])
                     start = restored.step
@@ -238,11 +269,15 @@ class _Run:
                     state = jax.jit(lambda: init_state(recipe, optimizer), out_shardings=shardings)()
                     start = 0
                 t0 = time.perf_counter()
-                self.train_step = compile_train_step(recipe, optimizer, shardings, self.batch_sharding)
+                self.segments = segments(recipe)
+                self._compiled: dict[tuple, Any] = {}
+                self._eval_steps: dict[tuple, Any] = {}
+                self._shardings = shardings
                 self.eval_step = compile_eval_step(recipe, shardings.model, self.batch_sharding)
-                compile_s = time.perf_counter() - t0
                 if restored is None:
                     self.monitor.start(jax.device_get(compile_param_norms(recipe, shardings)(state)))
+                state = self._enter(segment_at(self.segments, start), state)
+                compile_s = time.perf_counter() - t0
 
             self.hp = hyperparams(recipe)
             self.flops = flops_per_token(recipe)
@@ -268,10 +303,16 @@ class _Run:
             )
             state = self._loop(state, start, summary)
         finally:
-            self.checkpoints.wait()
+            disk_full = None
+            try:
+                self.checkpoints.wait()
+            except CheckpointDiskFull as err:  # the last save, written in the background, found the disk full
+                disk_full = err
             self.checkpoints.close()
             if self.metrics is not None:
                 self.metrics.close()
+        if disk_full is not None:
+            summary.exit_reason, summary.message = "disk-full", str(disk_full)
         if summary.exit_reason == "done" and self.is_main:
             self._finish(summary)
         summary.wall_s = time.perf_counter() - self.wall_start
@@ -300,12 +341,14 @@ class _Run:
                     f"{eval_transport(recipe, len(self.devices))}, balancing {recipe.moe.balancing}"),
             ("FLOPs", f"{self.flops.per_token:.4g}/token forward; MFU convention {FLOP_CONVENTION}"),
             ("peak", f"{self.peak / 1e12:.3f} TFLOP/s per device ({peak_source})"),
+            ("schedule", "; ".join(f"{', '.join(s.labels)} @ {s.start}" for s in self.segments if s.labels) or "-"),
             ("start", f"resumed from step {start}" if restored else "fresh"),
             ("compile", f"{compile_s:.1f}s"),
         ]  # fmt: skip
         self.out.print(header_table(rows, "marinctl train"))
         if restored and restored.skipped:
-            self.out.print(f"[yellow]skipped unreadable checkpoints {list(restored.skipped)}")
+            for reason in restored.reasons:
+                self.out.print(f"[yellow]{reason}")
 
     def _corpus(self, ensure: Callable) -> None:
         """Build the built-in corpus once: process 0 first, then the others find it (shared or local)."""
@@ -325,19 +368,23 @@ class _Run:
     def _loop(self, state, start: int, summary: RunSummary):
         import jax
 
-        from marinctl.train.checkpoint import save_due
+        from marinctl.ladder import eval_grid_steps
+        from marinctl.schedule import segment_at
+        from marinctl.train.checkpoint import CheckpointDiskFull, save_due
         from marinctl.train.display import LiveDisplay
         from marinctl.train.monitors import NonFiniteAbort
         from marinctl.train.step import device_batch
 
         recipe, steps = self.recipe, self.recipe.train.steps
         display = LiveDisplay(self.out, steps, start, enabled=self.show)
+        self._display = display  # the eval's forecast delta joins the live line
         hook = self.options.batch_hook
         self._last_done = time.perf_counter()
         self._throughput: list[dict[str, float]] = []
         try:
             with jax.set_mesh(self.mesh), Preemption() as preemption:
-                if start < steps and eval_due(start, steps, recipe.eval.every):
+                grid = eval_grid_steps(recipe)
+                if start < steps and eval_due(start, steps, recipe.eval.every, grid):
                     self._evaluate(state, start, summary)
                 batches = self.loader.iterate(
                     start, steps, process_index=self.process_index, process_count=self.process_count
@@ -345,10 +392,16 @@ class _Run:
                 pending = None
                 try:
                     for step in range(start, steps):
+                        segment = segment_at(self.segments, step)
+                        if step == segment.start and segment.changes:  # a transition: new shapes, new step
+                            if pending is not None:
+                                self._record(*pending, summary, display)
+                                pending = None
+                            state = self._transition(segment, state, display)
                         host = next(batches)
                         if hook is not None:
                             host = hook(step, host)
-                        batch = device_batch(host, self.batch_sharding, recipe.train.batch_size)
+                        batch = device_batch(host, self.batch_sharding, segment.recipe.train.batch_size)
                         state, metrics = self.train_step(state, batch)
                         if pending is not None:  # the previous step's numbers, while this one runs
                             self._record(*pending, summary, display)
@@ -356,7 +409,7 @@ class _Run:
                         done = step + 1
                         stop = preemption.requested(self.process_count)
                         save = save_due(done, steps, recipe.checkpoint.every) or stop
-                        evaluate = eval_due(done, steps, recipe.eval.every)
+                        evaluate = eval_due(done, steps, recipe.eval.every, grid)
                         if save or evaluate:
                             self._record(*pending, summary, display)
                             pending = None
@@ -375,6 +428,14 @@ class _Run:
                     batches.close()
         except NonFiniteAbort as err:
             summary.exit_reason, summary.message = "diverged", str(err)
+        except CheckpointDiskFull as err:  # exit 1 with one line; the checkpoints before it are intact
+            summary.exit_reason, summary.message = "disk-full", str(err)
+        except OSError as err:
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            summary.exit_reason = "disk-full"
+            where = err.filename or self.options.run_dir
+            summary.message = f"{where}: disk full ({err.strerror}); free space and re-run the same command"
         finally:
             display.close()
         if start >= steps:  # already complete: report the final evaluation again
@@ -388,6 +449,7 @@ class _Run:
         import jax
 
         from marinctl.hparams import lr_multiplier
+        from marinctl.schedule import record_fields, segment_at
         from marinctl.train.metrics import throughput
         from marinctl.train.monitors import NonFiniteAbort
 
@@ -399,7 +461,9 @@ class _Run:
         hp = self.hp
         applied = step - (skipped - (0 if finite else 1))  # the optimizer's count: skipped steps do not tick it
         mult = lr_multiplier(applied, hp.warmup_steps, hp.steps, hp.final_lr_fraction)
-        speed = throughput(self.recipe.tokens_per_step, seconds, self.flops.per_token, len(self.devices), self.peak)
+        segment = segment_at(self.segments, step)
+        flops = self._flops_per_token(segment.recipe)  # attention FLOPs grow with the context
+        speed = throughput(self.recipe.tokens_per_step, seconds, flops, len(self.devices), self.peak)
         record: dict[str, Any] = {
             "kind": "train",
             "step": step,
@@ -415,6 +479,7 @@ class _Run:
             "finite": finite,
             "nonfinite_skipped": skipped,
             "loss_tokens": float(m["tokens"]),
+            **record_fields(segment.recipe),
         }
         for key in ("drop_frac_per_layer", "sender_drop_frac_per_layer", "receiver_drop_frac_per_layer",
                     "routing_entropy_per_layer", "max_mean_load_per_layer", "router_z_per_layer"):  # fmt: skip
@@ -453,27 +518,121 @@ class _Run:
         self._throughput.append(speed)
         display.update(record)
 
+    def _check_data_unchanged(self, restored) -> None:
+        """The batch is a pure function of (seed, step, token stores): a store rewritten since the checkpoint
+        would silently feed different batches after the resume, so it is refused (exit 2)."""
+        saved = restored.meta.get("data") or {}
+        for name, digest in self._data_hashes.items():
+            before = saved.get(name)
+            if before is not None and digest != before:
+                raise UserError(
+                    f"{self.loader.paths[name]}: token store of source {name!r} changed since checkpoint "
+                    f"{restored.step} was written (manifest sha256 {before[:12]}… now {str(digest)[:12]}…); "
+                    "restore the original store, or train into a new --run-dir"
+                )
+
     def _save(self, state, step: int, summary: RunSummary) -> None:
-        self.checkpoints.save(step, state, {"monitors": self.monitor.state_dict(), "recipe": self.recipe.name})
+        from marinctl.schedule import applied_before
+
+        meta = {"monitors": self.monitor.state_dict(), "recipe": self.recipe.name, "data": self._data_hashes}
+        meta["schedule"] = applied_before(self.recipe, step)  # what shaped its past (check_schedule_history)
+        meta["devices"] = len(self.devices)  # switch-ep / extend-context check new shapes against the mesh
+        self.checkpoints.save(step, state, meta)
         summary.checkpoint_step = step
         self._last_done = time.perf_counter()  # the copy off the devices is not training time
+
+    # ----------------------------------------------------------------------------------------------
+    # The schedule (marinctl/schedule.py): a new compiled step per shape, change records, eval per context.
+
+    def _enter(self, segment, state):
+        """Switch to a segment: its compiled train step (one per distinct shapes/transport/qk_mult), and the
+        state re-assembled around the same arrays. The model pytree carries its config (transport, qk_mult)
+        as static structure, so the leaves are moved by path into the segment's structure, as a checkpoint
+        restore does: weights, optimizer state, QB bias, step and RNG pass through untouched. The segment's
+        optimizer is numerically the base one (tokens per step, total tokens and width are unchanged)."""
+        from marinctl.train.checkpoint import flatten_state, unflatten_like
+        from marinctl.train.state import abstract_state, make_optimizer, state_shardings, with_shardings
+        from marinctl.train.step import compile_train_step
+
+        key = segment.shape_key
+        if key not in self._compiled:
+            optimizer = make_optimizer(segment.recipe)
+            shardings = state_shardings(segment.recipe, optimizer, self.mesh)
+            abstract = with_shardings(abstract_state(segment.recipe, optimizer), shardings)
+            step = compile_train_step(segment.recipe, optimizer, shardings, self.batch_sharding)
+            self._compiled[key] = (step, shardings, abstract)
+        self.train_step, self._shardings, abstract = self._compiled[key]
+        return unflatten_like(abstract, flatten_state(state))
+
+    def _transition(self, segment, state, display):
+        """At a change's first step: log a `"kind": "change"` record, switch to that segment's step."""
+        from marinctl.schedule import record_fields, segment_at
+
+        before = segment_at(self.segments, segment.start - 1).recipe if segment.start else self.recipe
+        t0 = time.perf_counter()
+        state = self._enter(segment, state)
+        record = {
+            "kind": "change",
+            "step": segment.start,
+            "name": "; ".join(segment.labels),
+            "changes": list(segment.changes),
+            **record_fields(segment.recipe),
+            "before": record_fields(before),
+            "compile_s": time.perf_counter() - t0,
+        }
+        self.metrics.write(record)
+        display.message(f"step {segment.start}: {record['name']} (compiled in {record['compile_s']:.1f}s)")
+        self._last_done = time.perf_counter()  # compiling is not the next step's training time
+        return state
+
+    def _flops_per_token(self, recipe: Recipe) -> float:
+        from marinctl.counting import flops_per_token
+
+        if recipe.train.seq_len == self.recipe.train.seq_len:
+            return self.flops.per_token
+        return flops_per_token(recipe).per_token
+
+    def _evaluate_across_context(self, state, step: int, evaluate: Callable) -> dict[str, Any]:
+        """Dropless eval at the context of the last trained step, labelled with its `seq_len`; after an
+        extension also at the run's first context as `<key>@<S0>` (the hero re-evaluated every checkpoint
+        at 4k), so both curves continue across the change."""
+        from marinctl.schedule import at_context, segment_at
+        from marinctl.train.evaluate import compile_eval_step
+
+        current = segment_at(self.segments, max(step - 1, 0)).recipe
+        first = self.recipe.train.seq_len
+        contexts = [current] if current.train.seq_len == first else [current, at_context(current, first)]
+        out: dict[str, Any] = {"seq_len": current.train.seq_len}
+        for recipe in contexts:
+            key = (recipe.train, recipe.attention, recipe.moe)
+            if key not in self._eval_steps:  # the model's structure is the segment's (self._shardings)
+                same = key == (self.recipe.train, self.recipe.attention, self.recipe.moe)
+                self._eval_steps[key] = self.eval_step if same else compile_eval_step(
+                    recipe, self._shardings.model, self.batch_sharding)  # fmt: skip
+            result = evaluate(
+                self._eval_steps[key],
+                state.model,
+                state.router_bias,
+                self.loader,
+                recipe,
+                self.batch_sharding,
+                process_index=self.process_index,
+                process_count=self.process_count,
+            )
+            if recipe is current:
+                out.update(result)
+            else:  # loss/docs_val -> loss@256/docs_val, macro_loss -> macro_loss@256
+                out.update({_at(k, first): v for k, v in result.items()})
+        return out
 
     def _evaluate(self, state, step: int, summary: RunSummary) -> None:
         from marinctl.train.evaluate import evaluate
 
         if not self.recipe.eval.sources:
             return
-        result = evaluate(
-            self.eval_step,
-            state.model,
-            state.router_bias,
-            self.loader,
-            self.recipe,
-            self.batch_sharding,
-            process_index=self.process_index,
-            process_count=self.process_count,
-        )
+        result = self._evaluate_across_context(state, step, evaluate)
         record = {"kind": "eval", "step": step, **result}
+        note = self._track_forecast(step, record)
         self.metrics.write(record)
         if summary.initial_eval_macro_loss is None and step == 0:
             summary.initial_eval_macro_loss = result.get("macro_loss")
@@ -483,8 +642,24 @@ class _Run:
             self.out.print(
                 f"eval step {step}: macro loss {result.get('macro_loss', float('nan')):.4f}  "
                 + "  ".join(f"{s} {result[f'loss/{s}']:.4f}" for s in self.recipe.eval.sources)
+                + note
             )
         self._last_done = time.perf_counter()
+
+    def _track_forecast(self, step: int, record: dict[str, Any]) -> str:
+        """Add `forecast` and `forecast_delta` (actual − forecast, nats) to an eval record at a progress the
+        forecast covers; return the text the eval line and the live display show."""
+        from marinctl.ladder import step_progress
+
+        forecast = self.forecast.at(step_progress(step, self.recipe.train.steps)) if self.forecast else None
+        if forecast is None or record.get("macro_loss") is None:
+            return ""
+        delta = record["macro_loss"] - forecast
+        record["forecast"], record["forecast_delta"] = forecast, delta
+        display = getattr(self, "_display", None)
+        if display is not None:
+            display.note = f"  vs forecast {delta:+.4f}"
+        return f"  forecast {forecast:.4f} (actual − forecast {delta:+.4f}, {delta / forecast:+.2%})"
 
     def _finish(self, summary: RunSummary) -> None:
         """Plots, the per-domain eval table against the run's first evaluation, throughput figures."""

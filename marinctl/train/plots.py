@@ -1,6 +1,10 @@
 """Plots of a run (PNG, matplotlib Agg): loss and eval macro loss, drop rate and routing entropy, norms.
 
 Read from `metrics.jsonl` only, so `marinctl plot RUN_DIR` works on a finished, running or copied run.
+Each mid-run change (a `"kind": "change"` record: EP switch, context extension, data mix; docs/recipe.md
+§8) is a dashed vertical line on the loss, eval and drop-rate plots, labelled like the post's Figure 1.
+After a context extension the eval macro loss is drawn at the run's first context (continuing the curve,
+as the hero re-evaluated every checkpoint at 4k) and at the current one.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ def write_plots(run_dir: Path) -> list[Path]:
     records = read_metrics(path)
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
+    changes = [r for r in records if r.get("kind") == "change"]
     if not train and not evals:
         raise UserError(f"{path}: no train or eval records yet")
     written = []
@@ -36,9 +41,15 @@ def write_plots(run_dir: Path) -> list[Path]:
         ax.plot(*_series(train, "loss"), lw=0.8, alpha=0.6, label="train loss")
         ax.plot(*_series(train, "ce"), lw=0.8, alpha=0.6, label="train CE")
     if evals:
-        ax.plot(*_series(evals, "macro_loss"), "o-", lw=2, label="eval macro loss (dropless)")
+        first = _first_context(evals)
+        later = [r for r in evals if r.get("seq_len", first) != first]
+        label = "eval macro loss (dropless)" + (f" @ first context {first}" if later else "")
+        ax.plot(*_first_context_series(evals, first), "o-", lw=2, label=label)
+        if later:
+            ax.plot(*_series(later, "macro_loss"), "s-", lw=2, label="eval macro loss (dropless) @ current context")
         for key in sorted({k for r in evals for k in r if k.startswith("loss/")}):
             ax.plot(*_series(evals, key), ".--", lw=1, label=f"eval {key[5:]}")
+    _mark_changes(ax, changes)
     _finish(ax, "step", "loss (nats/token)", f"{run_dir.name}: loss")
     written.append(_save(fig, run_dir / "loss.png"))
 
@@ -50,6 +61,7 @@ def write_plots(run_dir: Path) -> list[Path]:
         twin.plot(*_series(train, "routing_entropy"), lw=1, color="tab:blue", label="routing entropy")
         twin.set_ylabel("routing entropy of expert load (nats; ln E is uniform)")
         fig.legend(loc="upper right")
+        _mark_changes(ax, changes)
         _finish(ax, "step", None, f"{run_dir.name}: routing", legend=False)
         written.append(_save(fig, run_dir / "routing.png"))
 
@@ -62,7 +74,40 @@ def write_plots(run_dir: Path) -> list[Path]:
         ax.set_yscale("log")
         _finish(ax, "step", "Frobenius norm (RMS over layers)", f"{run_dir.name}: parameter norms", small=True)
         written.append(_save(fig, run_dir / "norms.png"))
+
+    from marinctl.ladder_plots import write_forecast_plot, write_rungs_plot  # a run tracked against a forecast
+
+    if (forecast := write_forecast_plot(run_dir, records)) is not None:
+        written.append(forecast)
+        if (rungs := write_rungs_plot(run_dir)) is not None:
+            written.append(rungs)
     return written
+
+
+def _first_context(evals: list[dict[str, Any]]) -> int | None:
+    """The run's first eval context: the seq_len of its first eval record (None: records predate it)."""
+    return evals[0].get("seq_len")
+
+
+def _first_context_series(evals: list[dict[str, Any]], first: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Macro loss at the first context across the whole run: `macro_loss` while the run is still at it,
+    then the labelled re-evaluation `macro_loss@<first>`."""
+    steps, values = [], []
+    for r in evals:
+        at_first = r.get("seq_len", first) == first
+        value = r.get("macro_loss") if at_first else r.get(f"macro_loss@{first}")
+        if value is not None:
+            steps.append(r["step"])
+            values.append(value)
+    return np.asarray(steps), np.asarray(values, np.float64)
+
+
+def _mark_changes(ax: Any, changes: list[dict[str, Any]]) -> None:
+    """A dashed line per change, its label written along it at the top of the axes."""
+    for record in changes:
+        ax.axvline(record["step"], ls="--", lw=1, color="0.35", zorder=0)
+        ax.text(record["step"], 0.98, f" {record.get('name', 'change')}", transform=ax.get_xaxis_transform(),
+                rotation=90, va="top", ha="right", fontsize="x-small", color="0.25")  # fmt: skip
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:

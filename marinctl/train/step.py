@@ -5,7 +5,7 @@
     finite        loss and global grad norm finite; otherwise params, optimizer state and router bias
                   are kept as they were, the step still advances (the batch is consumed) and is counted
     update        the hyperball optimizer (marinctl/optim)
-    router bias   replaced by QB: b ← −(β − mean β) from this step's quantile estimate (SPEC 3.5)
+    router bias   replaced by QB: b ← −(β − mean β) from this step's quantile estimate (docs/recipe.md §3.5)
 
 The state buffers are donated: the step updates the model in place. Metrics include what the health
 monitors read (norms per matrix and per scope, per-group and per-expert gradient norms).
@@ -42,7 +42,7 @@ def _named(tree) -> dict[str, Array]:
 
 def param_norms(model, recipe: Recipe) -> dict[str, Array]:
     """fp32 Frobenius norm of every leaf per hyperball scope (per layer, per shared expert; an expert
-    stack jointly per layer): the per-matrix norms SPEC 10 asks to watch, gains included (the lm_head
+    stack jointly per layer): the per-matrix norms docs/recipe.md §10 asks to watch, gains included (the lm_head
     input gain grows without the z-loss)."""
     table = param_table(recipe)
     out = {}
@@ -120,17 +120,26 @@ def train_step(state: TrainState, batch: Batch, *, recipe: Recipe, optimizer: op
     gnorms = gradient_norms(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(gnorms["grad_norm"])
 
-    updates, opt_state = optimizer.update(grads, state.opt_state, model)
-    new_model = eqx.apply_updates(model, updates)
-    bias = router_bias(aux["beta"]) if recipe.moe.balancing == "quantile" else state.router_bias
+    new_bias = router_bias(aux["beta"]) if recipe.moe.balancing == "quantile" else state.router_bias
+    params, static = eqx.partition(model, eqx.is_array)
 
-    def keep_if_nonfinite(new, old):
-        return jnp.where(finite, new, old)
+    # A branch, not `where(finite, new, old)` per leaf: the select keeps every old optimizer-state buffer alive
+    # until the end of the step, so XLA copied the whole optimizer state each step to update it in place
+    # (the donated input is the output's buffer); a skipped step also no longer computes the update.
+    def apply(operands):
+        params, opt_state = operands
+        updates, opt_state = optimizer.update(grads, opt_state, eqx.combine(params, static))
+        return eqx.apply_updates(params, updates), opt_state, new_bias.astype(state.router_bias.dtype)
 
+    def keep(operands):
+        params, opt_state = operands
+        return params, opt_state, state.router_bias
+
+    new_params, opt_state, bias = jax.lax.cond(finite, apply, keep, (params, state.opt_state))
     next_state = TrainState(
-        model=jax.tree.map(keep_if_nonfinite, new_model, model),
-        opt_state=jax.tree.map(keep_if_nonfinite, opt_state, state.opt_state),
-        router_bias=keep_if_nonfinite(bias.astype(state.router_bias.dtype), state.router_bias),
+        model=eqx.combine(new_params, static),
+        opt_state=opt_state,
+        router_bias=bias,
         step=state.step + 1,
         rng=state.rng,
         nonfinite_skipped=state.nonfinite_skipped + (~finite).astype(jnp.int32),

@@ -44,7 +44,9 @@ def make_recipe(tiny_recipe, root, phases=None, **train):
         prefetch=2,
     )
     train_cfg = replace(tiny_recipe.train, **({"seq_len": S, "batch_size": B, "steps": 200} | train))
-    return replace(tiny_recipe, data=data, train=train_cfg, eval=replace(tiny_recipe.eval, sources=("c",)))
+    schedule = replace(tiny_recipe.schedule, changes=())  # tiny's context extension: tests/schedule
+    return replace(tiny_recipe, data=data, train=train_cfg, eval=replace(tiny_recipe.eval, sources=("c",)),
+                   schedule=schedule)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -229,12 +229,12 @@ def test_read_rung_takes_progress_from_steps_and_compute_from_the_saved_recipe(t
     records = [
         {"kind": "train", "step": 1, "loss": 7.0},
         {"kind": "eval", "step": 0, "macro_loss": 11.0},
-        {"kind": "eval", "step": 100, "macro_loss": 3.5},
-        {"kind": "eval", "step": 50, "macro_loss": 4.0},
-        {"kind": "eval", "step": 100, "macro_loss": 3.4},  # re-evaluated after a resume: last wins
-        {"kind": "eval", "step": 200},
+        {"kind": "eval", "step": 2, "macro_loss": 3.5},
+        {"kind": "eval", "step": 1, "macro_loss": 4.0},
+        {"kind": "eval", "step": 2, "macro_loss": 3.4},  # re-evaluated after a resume: last wins
+        {"kind": "eval", "step": 4},
     ]  # no eval sources: no macro loss
-    run_dir, recipe = _run_dir(tmp_path, records)
+    run_dir, recipe = _run_dir(tmp_path, records, steps=4)
     rung = read_rung(run_dir)
     assert rung.name == "d768" and rung.compute == training_compute(recipe)
     np.testing.assert_array_equal(rung.progress, [0.0, 0.25, 0.5])
@@ -243,11 +243,11 @@ def test_read_rung_takes_progress_from_steps_and_compute_from_the_saved_recipe(t
 
 def test_read_rung_ends_the_curve_at_the_first_non_finite_loss(tmp_path):
     records = [
-        {"kind": "eval", "step": s, "macro_loss": v} for s, v in ((0, 9.0), (50, 4.0), (100, float("nan")), (150, 3.0))
+        {"kind": "eval", "step": s, "macro_loss": v} for s, v in ((0, 9.0), (1, 4.0), (2, float("nan")), (3, 3.0))
     ]
-    rung = read_rung(_run_dir(tmp_path, records)[0])
+    rung = read_rung(_run_dir(tmp_path, records, steps=4)[0])
     np.testing.assert_array_equal(rung.progress, [0.0, 0.25])
-    assert "non-finite from step 100" in rung.note
+    assert "non-finite from step 2" in rung.note
 
 
 @pytest.mark.parametrize(

@@ -109,6 +109,7 @@ CASES = {
     "hero": BASE,
     "no_latent": dataclasses.replace(BASE, latent=False),
     "no_latent_norm_no_shared": dataclasses.replace(BASE, latent_norm=False, shared_experts=0, router_weight_sum=1.0),
+    "ragged": dataclasses.replace(BASE, transport="ragged"),  # the CPU's sorted-tile dropless path
 }
 
 

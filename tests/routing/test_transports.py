@@ -1,5 +1,6 @@
 """Transports (SPEC 4) on 8 simulated CPU devices, against plain-numpy oracles of the same rules."""
 
+import contextlib
 import dataclasses
 import math
 
@@ -13,8 +14,14 @@ from marinctl.errors import UserError
 from marinctl.recipe import MoEConfig
 from marinctl.routing.transports import (
     _capacity,
+    _chunk_sizes,
+    _linear,
     _ragged_all_to_all_emulated,
     _Shard,
+    _take,
+    _tile_groups,
+    _tile_slots,
+    _tiled_swiglu,
     get_transport,
     ragged_buffer_rows,
     ragged_transport,
@@ -244,15 +251,138 @@ def numpy_ragged_keep(x, buffer_rows, mesh_shape):
     return keep
 
 
-def test_bounded_ragged_buffer_drops_exactly_the_overflow_rows(skewed):
+@pytest.mark.parametrize("exchange", ["grouped", "emulated"])
+def test_bounded_ragged_buffer_drops_exactly_the_overflow_rows(skewed, exchange):
     mesh_shape, factor = (1, 2, 4), 1.0
     moe = MoEConfig(num_experts=E, top_k=K, ragged_buffer_factor=factor)
-    y, stats, _ = run("ragged", skewed, moe, mesh_shape)
+    y, stats, _ = run("ragged", skewed, moe, mesh_shape, transport=ragged_transport(exchange))
     keep = numpy_ragged_keep(skewed, math.ceil(factor * (T // 8) * K), mesh_shape)
     expected = K * skewed["valid"].sum() - keep.sum()
     assert expected > 0
     assert stats["receiver_drops"] == expected and stats["sender_drops"] == 0
     assert_dropped_rows_are_exactly_zero(skewed, y, keep)
+
+
+# --------------------------------------------------------------------------------------------------
+# The CPU's grouped path (sorted tiles, no ragged_dot) against the paths it replaces.
+
+
+@pytest.mark.parametrize(
+    "mesh_shape", [None, (1, 2, 4), (2, 1, 4)], ids=lambda s: "no-mesh" if s is None else "x".join(map(str, s))
+)
+def test_emulated_exchange_of_the_native_body_still_equals_dense(mesh_shape, uniform, dense_reference):
+    """The GPU body (offsets, regrouping, drop rule) runs on CPU with the dense-emulated exchange."""
+    y, stats, grads = run(
+        "ragged", uniform, MoEConfig(num_experts=E, top_k=K), mesh_shape, ragged_transport("emulated")
+    )
+    np.testing.assert_allclose(y, dense_reference[0], atol=1e-5)
+    assert stats["receiver_drops"] == 0
+    for got, want in zip(grads, dense_reference[2], strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def lopsided(seed: int):
+    """The first half of the tokens routed uniformly, the second half only to experts 0..3 (expert shard 0
+    of a 4-way expert axis): on a (2, 1, 4) mesh one expert group takes the smallest exchange branch and
+    the other the worst case, where every slice for shard 0 is as full as it can be."""
+    x = problem(seed)
+    half = T // 2
+    x["expert_idx"][half:] = np.stack([np.random.default_rng(seed + t).permutation(4) for t in range(half)])
+    return x
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 1, 4), (1, 8, 1)], ids=lambda s: "x".join(map(str, s)))
+def test_grouped_ragged_equals_dense_in_every_exchange_branch(mesh_shape):
+    x = lopsided(3)
+    moe = MoEConfig(num_experts=E, top_k=K)
+    y_ref, stats_ref, grads_ref = run("dense", x, moe)
+    y, stats, grads = run("ragged", x, moe, mesh_shape, ragged_transport("grouped"))
+    np.testing.assert_allclose(y, y_ref, atol=1e-5)
+    np.testing.assert_array_equal(stats["expert_load"], stats_ref["expert_load"])
+    assert stats["receiver_drops"] == 0 and stats["sender_drops"] == 0
+    for label, got, want in zip(("u", "combine", "w_gate", "w_up", "w_down"), grads, grads_ref, strict=True):
+        np.testing.assert_allclose(got, want, atol=3e-5, err_msg=f"d/d{label}")
+
+
+def test_chunk_sizes_start_above_the_expected_slice_and_end_at_the_largest():
+    assert _chunk_sizes(256, 1024) == [320, 480, 720, 1024]
+    assert _chunk_sizes(32, 128) == [40, 64, 96, 128]
+    assert _chunk_sizes(100, 100) == [100]  # nothing below the largest: a single static size
+
+
+def test_linear_moves_differentiate_as_their_transpose():
+    """A row gather through a partial bijection, wrapped by `_linear` with the inverse gather as its
+    transpose, has the gradient autodiff gives the plain gather (and no gradient for unplaced rows)."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(10, 3)).astype(np.float32)
+    slot = np.array([5, 11, 0, 2, 11, 7, 1, 3, 11, 9], np.int32)  # 11: out of range, not placed
+    take = np.full(11, 10, np.int32)
+    placed = slot < 11
+    take[slot[placed]] = np.flatnonzero(placed)
+    probe = rng.normal(size=(11, 3)).astype(np.float32)
+
+    def moved(x):
+        return jnp.sum(_linear(lambda v: _take(v, take), lambda g: _take(g, slot), x) * probe)
+
+    got = jax.grad(moved)(x)
+    np.testing.assert_array_equal(got, jax.grad(lambda x: jnp.sum(_take(x, take) * probe))(x))
+    assert np.all(got[~placed] == 0)
+
+
+def test_tiled_swiglu_equals_per_row_experts_and_skips_tiles_past_used():
+    """Rows laid out in group tiles through `_tiled_swiglu`: each row gets its own expert, empty and
+    skipped tiles give zero, and the gradients equal autodiff of a per-row gather of the expert weights."""
+    rng = np.random.default_rng(5)
+    n_rows, groups, block, width, hidden = 40, 3, 4, 5, 6
+    group = rng.integers(0, groups + 1, size=n_rows).astype(np.int32)  # `groups`: a row that is not placed
+    group[:3] = 1
+    counts = jnp.asarray(np.bincount(group, minlength=groups + 1)[:groups], jnp.int32)
+    rank = np.array([np.sum(group[:i] == group[i]) for i in range(n_rows)], np.int32)
+    n_tiles = (n_rows + groups * (block - 1)) // block + 2  # two spare tiles: empty, and past `used`
+    slot, source = _tile_slots(jnp.asarray(group), jnp.asarray(rank), counts, n_tiles, block)
+    tile_group, used = _tile_groups(counts, n_tiles, block)
+    assert int(used) == sum(-(-int(c) // block) for c in counts) < n_tiles
+    rows = rng.normal(size=(n_rows, width)).astype(np.float32)
+    shapes = ((groups, width, hidden), (groups, width, hidden), (groups, hidden, width))
+    w = [jnp.asarray(rng.normal(size=shape) / 2, jnp.float32) for shape in shapes]
+    probe = rng.normal(size=(n_rows, width)).astype(np.float32)
+    placed = group < groups
+
+    def tiled(rows, wg, wu, wd, used=used):
+        x = _take(rows, source).reshape(n_tiles, block, width)
+        out = _tiled_swiglu(x, tile_group, used, wg, wu, wd).reshape(n_tiles * block, width)
+        return _take(out, slot)
+
+    def per_row(rows, wg, wu, wd):
+        e = np.minimum(group, groups - 1)
+        h = jax.nn.silu(jnp.einsum("nl,nli->ni", rows, wg[e])) * jnp.einsum("nl,nli->ni", rows, wu[e])
+        return jnp.where(placed[:, None], jnp.einsum("ni,nil->nl", h, wd[e]), 0)
+
+    np.testing.assert_allclose(tiled(rows, *w), per_row(rows, *w), atol=1e-5)
+    grads = jax.grad(lambda *a: jnp.sum(tiled(*a) * probe), argnums=(0, 1, 2, 3))(rows, *w)
+    want = jax.grad(lambda *a: jnp.sum(per_row(*a) * probe), argnums=(0, 1, 2, 3))(rows, *w)
+    for got, ref in zip(grads, want, strict=True):
+        np.testing.assert_allclose(got, ref, atol=1e-5)
+    # A tile past `used` is skipped even when it holds rows: its rows' outputs and gradients are zero.
+    last = np.asarray(slot) // block == int(used) - 1
+    cut = lambda r: jnp.sum(tiled(r, *w, used=used - 1) * probe)  # noqa: E731
+    assert last.any() and np.all(np.asarray(tiled(rows, *w, used=used - 1))[last] == 0)
+    assert np.all(np.asarray(jax.grad(cut)(rows))[last] == 0)
+
+
+def test_cpu_ragged_program_has_no_ragged_dot():
+    """XLA:CPU lowers `ragged_dot` to a product over every group; the CPU path must not use it."""
+    x = problem(2)
+    moe = MoEConfig(num_experts=E, top_k=K)
+    fn = ragged_transport("grouped")
+
+    def loss(u, w_gate):
+        return jnp.sum(fn(u, x["expert_idx"], x["combine"], x["valid"], w_gate, x["w_up"], x["w_down"], moe)[0])
+
+    for mesh_shape in (None, (1, 2, 4)):
+        with jax.set_mesh(mesh_of(mesh_shape)) if mesh_shape else contextlib.nullcontext():
+            text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x["u"], x["w_gate"]).lower().as_text()
+        assert "ragged" not in text
 
 
 # --------------------------------------------------------------------------------------------------
@@ -285,7 +415,7 @@ def test_native_ragged_path_lowers_to_ragged_all_to_all_forward_and_backward():
     """XLA:CPU cannot compile ragged_all_to_all, but tracing and lowering the GPU path catches typos."""
     shapes = problem(2)
     moe = MoEConfig(num_experts=E, top_k=K)
-    fn = ragged_transport(native=True)
+    fn = ragged_transport("native")
 
     def loss(u, w_gate):
         y, _ = fn(

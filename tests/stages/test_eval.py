@@ -27,9 +27,10 @@ def test_eval_json_equals_the_trainers_last_eval_record(trained_run, capsys):
     sources = recipe.eval.sources
     assert sources == ("docs_val", "code_val")
     assert set(result) == {
-        "run_dir", "step", "transport", "dropless", "macro_loss",
+        "run_dir", "step", "seq_len", "transport", "dropless", "macro_loss", "skipped_checkpoints",
         *(f"{kind}/{s}" for s in sources for kind in ("loss", "bpb", "tokens")),
     }  # fmt: skip
+    assert result["skipped_checkpoints"] == []
     assert result["step"] == 2 and result["transport"] == "dense" and result["dropless"] is True
     record = trainer_eval(run_dir, 2)  # the run's last eval: same checkpoint, same data, same function
     for key in ("macro_loss", *(f"{kind}/{s}" for s in sources for kind in ("loss", "bpb", "tokens"))):

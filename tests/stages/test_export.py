@@ -183,3 +183,181 @@ def test_export_mistakes_exit_2_with_one_line_and_write_nothing(trained_run, tmp
     assert rc == 2 and out == ""
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"] and (tmp_path / "a_file").read_text() == "keep me"
+
+
+# --------------------------------------------------------------------------------------------------
+# --format hf: a Hugging Face–style directory, and `marinctl import` back.
+
+
+def hf_files(directory):
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def hf_exported(trained_run, tmp_path_factory):
+    _, run_dir = trained_run
+    out = tmp_path_factory.mktemp("hf") / "micro-hf"
+    assert cli(["export", str(run_dir), "--out", str(out), "--format", "hf", "--quiet"]) == 0
+    return out
+
+
+def test_hf_export_has_per_layer_out_in_tensors_under_the_documented_names(trained_run, hf_exported):
+    recipe, run_dir = trained_run
+    saved = stored_state(run_dir, 2)
+    t = safetensors.numpy.load_file(hf_exported / "model.safetensors")
+    m, moe = recipe.model, recipe.moe
+    D, V, E, I, l = m.hidden, m.vocab_size, moe.num_experts, moe.expert_width, moe.latent_width
+    K = m.sconv_kernel
+    np.testing.assert_array_equal(t["model.embed_tokens.weight"], saved["model.embed.weight"])  # [V, D]
+    np.testing.assert_array_equal(t["lm_head.weight"], saved["model.lm_head.weight"].T)  # [V, D]
+    assert t["lm_head.weight"].shape == (V, D)
+    for i in range(m.num_layers):
+        p = f"model.layers.{i}."
+        w = lambda path, i=i: saved[f"model.{path}"][i]  # noqa: E731
+        np.testing.assert_array_equal(t[p + "self_attn.q_proj.weight"], w("blocks.attention.w_q").T)
+        np.testing.assert_array_equal(t[p + "self_attn.o_proj.weight"], w("blocks.attention.w_o").T)
+        np.testing.assert_array_equal(t[p + "self_attn.gate_proj.weight"], w("blocks.attention.w_gate").T)
+        assert t[p + "self_attn.gate_proj.weight"].shape == (m.num_heads, D)
+        np.testing.assert_array_equal(t[p + "input_norm.weight"], w("blocks.attn_norm.gain"))
+        np.testing.assert_array_equal(t[p + "post_attention_norm.weight"], w("blocks.mlp_norm.gain"))
+        np.testing.assert_array_equal(t[p + "mlp.router.weight"], w("blocks.moe.router").T)  # [E, D]
+        np.testing.assert_array_equal(t[p + "mlp.router.bias"], saved["router_bias"][i])  # [E], fp32
+        np.testing.assert_array_equal(t[p + "mlp.latent_down_proj.weight"], w("blocks.moe.latent_down").T)
+        assert t[p + "mlp.latent_down_proj.weight"].shape == (l, D)
+        assert t[p + "mlp.latent_up_proj.weight"].shape == (D, l)
+        np.testing.assert_array_equal(t[p + "mlp.latent_norm.weight"], w("blocks.moe.latent_norm.gain"))
+        for e in range(E):
+            np.testing.assert_array_equal(t[p + "mlp.experts.gate_proj.weight"][e], w("blocks.moe.experts.w_gate")[e].T)
+            np.testing.assert_array_equal(t[p + "mlp.experts.down_proj.weight"][e], w("blocks.moe.experts.w_down")[e].T)
+        assert t[p + "mlp.experts.up_proj.weight"].shape == (E, I, l)
+        assert t[p + "mlp.experts.down_proj.weight"].shape == (E, l, I)
+    assert not any(".shared_experts." in k or "conv" in k or "gated_norm" in k for k in t)  # micro has them off
+    assert t["model.layers.0.mlp.router.bias"].dtype == np.float32 and K > 0
+
+
+def test_hf_config_carries_the_architecture_and_what_transformers_needs(trained_run, hf_exported):
+    recipe, _ = trained_run
+    config = json.loads((hf_exported / "config.json").read_text())
+    assert config["model_type"] == "marin" and config["architectures"] == ["MarinForCausalLM"]
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_marin.MarinForCausalLM"
+    m, a, moe = recipe.model, recipe.attention, recipe.moe
+    want = {
+        "num_attention_heads": m.num_heads, "head_dim": m.head_dim, "num_hidden_layers": m.num_layers,
+        "num_key_value_heads_local": a.local_kv_heads, "num_key_value_heads_global": a.global_kv_heads,
+        "global_layers": [i for i, g in enumerate(recipe.layer_is_global()) if g], "sliding_window": a.window,
+        "rope_theta": a.rope_theta, "partial_rotary_factor": a.rope_fraction, "rope_pairing": "half",
+        "qk_mult": a.qk_mult, "num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+        "num_shared_experts": moe.shared_experts, "routed_scaling_factor": moe.router_weight_sum,
+        "rms_norm_eps": m.norm_eps, "qk_norm_eps": a.qk_norm_eps, "xsa": a.xsa, "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden,
+    }  # fmt: skip
+    assert {k: config[k] for k in want} == want
+    assert config["marinctl"]["step"] == 2 and config["bos_token_id"] == 256 and config["eos_token_id"] == 257
+    generation = json.loads((hf_exported / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == 257 and generation["do_sample"] is False
+    names = {p.name for p in hf_exported.iterdir()}
+    assert {"modeling_marin.py", "tokenizer.json", "tokenizer_config.json", "recipe.toml"} <= names
+    compile((hf_exported / "modeling_marin.py").read_text(), "modeling_marin.py", "exec")
+
+
+def test_hf_byte_tokenizer_matches_marinctls_and_round_trips_utf8(hf_exported):
+    from tokenizers import Tokenizer
+
+    from marinctl.data.tokenizer import ByteTokenizer
+
+    tok = Tokenizer.from_file(str(hf_exported / "tokenizer.json"))
+    text = "naïve café → 日本語 🙂\n\tdef f(x): return x ** 2\r\n"
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert ids == ByteTokenizer().encode_batch([text])[0].tolist()
+    assert tok.decode(ids) == text
+    assert tok.encode("ab").ids == [256, 97, 98]  # transformers' default adds <bos>, as documents were trained
+    assert [tok.token_to_id(s) for s in ("<bos>", "<eos>", "<pad>")] == [256, 257, 258]
+
+
+def test_hf_export_shards_past_the_size_with_an_index(trained_run, hf_exported, tmp_path, capsys):
+    from marinctl.hf.export import load_hf_export
+
+    _, run_dir = trained_run
+    summary = export_json(capsys, run_dir, tmp_path / "sharded", "--format", "hf", "--max-shard-size", "20KB")
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    for name in files:
+        size = (tmp_path / "sharded" / name).stat().st_size
+        assert size <= 20_000 + 4096 or len(safetensors.numpy.load_file(tmp_path / "sharded" / name)) == 1
+    assert not (tmp_path / "sharded" / "model.safetensors").exists() and summary["format"] == "hf"
+    one, many = load_hf_export(hf_exported), load_hf_export(tmp_path / "sharded")
+    assert one.params.keys() == many.params.keys()
+    for k in one.params:
+        np.testing.assert_array_equal(one.params[k], many.params[k])
+
+
+@pytest.mark.parametrize("extra", [(), ("--dtype", "bfloat16", "--max-shard-size", "30KB")])
+def test_export_import_export_is_byte_identical(trained_run, tmp_path, capsys, extra):
+    _, run_dir = trained_run
+    first, second, run = tmp_path / "first", tmp_path / "second", tmp_path / "imported"
+    export_json(capsys, run_dir, first, "--format", "hf", "--step", 1, *extra)
+    assert cli(["import", str(first), "--run-dir", str(run), "--step", "1", "-q"]) == 0
+    export_json(capsys, run, second, "--format", "hf", *extra)
+    a, b = hf_files(first), hf_files(second)
+    assert a.keys() == b.keys() and all(a[k] == b[k] for k in a), [k for k in a if a[k] != b.get(k)]
+
+
+def test_an_imported_run_is_a_run_the_trainer_resumes(trained_run, tmp_path, capsys):
+    """The imported checkpoint restores into the trainer's own abstract state (every leaf, its shape)."""
+    from marinctl.routing.mesh import make_mesh
+    from marinctl.train.checkpoint import Checkpoints
+    from marinctl.train.state import abstract_state, make_optimizer, state_shardings, with_shardings
+
+    recipe, run_dir = trained_run
+    export_json(capsys, run_dir, tmp_path / "hf", "--format", "hf")
+    assert cli(["import", str(tmp_path / "hf"), "--run-dir", str(tmp_path / "run"), "--step", "7", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 7
+    imported = load_recipe(tmp_path / "run" / "recipe.toml")
+    assert recipe_to_dict(imported) == recipe_to_dict(recipe)
+    optimizer = make_optimizer(imported)
+    mesh = make_mesh(imported.parallel, jax.devices())
+    abstract = with_shardings(abstract_state(imported, optimizer), state_shardings(imported, optimizer, mesh))
+    checkpoints = Checkpoints(tmp_path / "run" / "checkpoints", imported.checkpoint)
+    try:
+        with jax.set_mesh(mesh):
+            restored = checkpoints.restore_latest(abstract)
+    finally:
+        checkpoints.close()
+    saved = stored_state(run_dir, 2)
+    assert restored.step == 7 and int(restored.state["step"]) == 7
+    np.testing.assert_array_equal(np.asarray(restored.state["router_bias"]), saved["router_bias"])
+    for path in param_table(recipe):
+        np.testing.assert_array_equal(np.asarray(restored.state[f"model.{path}"]), saved[f"model.{path}"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["export", "{run}", "--out", "{new}", "--format", "gguf"], "--format 'gguf': choose one of native, hf"),
+        (
+            ["export", "{run}", "--out", "{new}", "--format", "hf", "--set", "data.tokenizer={missing}"],
+            "no such tokenizer file",
+        ),
+        (["export", "{run}", "--out", "{new}", "--format", "hf", "--max-shard-size", "lots"], "--max-shard-size"),
+        (["import", "{run}", "--run-dir", "{new}"], "not a marinctl hf export"),
+        (["import", "{missing}", "--run-dir", "{new}"], "no such export directory"),
+        (["import", "{hf}", "--run-dir", "{run}"], "exists and is not empty"),
+        (["import", "{tampered}", "--run-dir", "{new}"], "num_experts = 9 disagrees with recipe.toml"),
+    ],
+)
+def test_hf_mistakes_exit_2_with_one_line_and_write_nothing(trained_run, hf_exported, tmp_path, capsys, args, message):
+    import shutil
+
+    _, run_dir = trained_run
+    tampered = tmp_path / "tampered"
+    shutil.copytree(hf_exported, tampered)
+    config = json.loads((tampered / "config.json").read_text())
+    (tampered / "config.json").write_text(json.dumps({**config, "num_experts": 9}))
+    paths = {"run": run_dir, "new": tmp_path / "new", "missing": tmp_path / "missing", "hf": hf_exported,
+             "tampered": tampered}  # fmt: skip
+    rc = cli([a.format(**paths) for a in args])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tampered"]

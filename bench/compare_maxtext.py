@@ -1,0 +1,147 @@
+"""marinctl vs MaxText, side by side on this machine: training tokens/s at the same tiny dropless-MoE shapes.
+
+    python bench/compare_maxtext.py MAXTEXT_VENV [--steps 20] [--warmup 5] [--rounds 1] [--transport ragged]
+
+Both train for real, one after the other on the same machine, each with every core:
+
+* **MaxText** 0.2.5 (its own virtualenv: Python 3.12, `pip install maxtext==0.2.5`, then its decoupled
+  requirements file) runs `maxtext.trainers.pre_train.train` on synthetic data with its AdamW: f32, dropless MoE
+  through `jax.lax.ragged_dot` (`sparse_matmul=True megablox=False capacity_factor=-1`), dot-product attention.
+  Its per-step log lines ("completed step: N, seconds: ...") give the step times.
+* **marinctl** runs `marinctl train bench/maxtext_shapes.toml` (built-in corpus, the hyperball optimizer, dropless
+  `moe.transport`): the trainer's own `tokens_per_s` from `metrics.jsonl`.
+
+Shapes: D 256, 4 layers, 2 heads x 128, 1 KV head, 16 experts top-2 width 128, seq 512, batch 8, vocab 264 (the
+byte tokenizer's ids, padded; MaxText gets the same vocab), every layer full causal attention. Each figure is the
+median over steps >= `--warmup` (compile and warm-up excluded). With `--rounds N` the two alternate N times and
+the medians pool every round, which evens out a machine whose load changes.
+MaxText is not a marinctl dependency: nothing here imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "bench" / "maxtext_shapes.toml"
+STEP_LINE = re.compile(r"completed step: (\d+), seconds: ([\d.]+).*?Tokens/s/device: ([\d.]+)")
+
+SHAPES = {  # MaxText keys for the shapes of bench/maxtext_shapes.toml
+    "base_emb_dim": 256,
+    "base_num_query_heads": 2,
+    "base_num_kv_heads": 1,
+    "head_dim": 128,
+    "base_num_decoder_layers": 4,
+    "base_mlp_dim": 128,
+    "base_moe_mlp_dim": 128,
+    "num_experts": 16,
+    "num_experts_per_tok": 2,
+    "vocab_size": 264,
+    "per_device_batch_size": 8,
+    "max_target_length": 512,
+}
+
+
+def maxtext_command(venv: Path, out_dir: str, steps: int) -> list[str]:
+    """The invocation of /work/shared/bench/maxtext_cpu.sh (dropless ragged_dot MoE, f32, synthetic data)."""
+    cfg = venv / "lib" / "python3.12" / "site-packages" / "maxtext" / "configs" / "decoupled_base_test.yml"
+    if not cfg.is_file():
+        found = sorted(venv.glob("lib/python3*/site-packages/maxtext/configs/decoupled_base_test.yml"))
+        if not found:
+            raise SystemExit(f"{venv}: no MaxText installation (maxtext/configs/decoupled_base_test.yml not found)")
+        cfg = found[0]
+    keys = {
+        "run_name": "cpu_moe",
+        "base_output_directory": out_dir,
+        "hardware": "cpu",
+        "skip_jax_distributed_system": "True",
+        "dataset_type": "synthetic",
+        "steps": steps,
+        **SHAPES,
+        "sparse_matmul": "True",
+        "megablox": "False",
+        "capacity_factor": -1,
+        "dtype": "float32",
+        "weight_dtype": "float32",
+        "attention": "dot_product",
+        "enable_checkpointing": "False",
+        "enable_goodput_recording": "False",
+        "monitor_goodput": "False",
+    }
+    return [str(venv / "bin" / "python"), "-m", "maxtext.trainers.pre_train.train", str(cfg)] + [
+        f"{k}={v}" for k, v in keys.items()
+    ]
+
+
+def run_maxtext(venv: Path, steps: int, warmup: int) -> list[float]:
+    """Tokens/s of each MaxText step >= warmup."""
+    with tempfile.TemporaryDirectory(prefix="maxtext-") as out:
+        env = {**os.environ, "DECOUPLE_GCLOUD": "TRUE", "JAX_PLATFORMS": "cpu"}
+        env.pop("PYTHONPATH", None)  # marinctl's path must not leak into MaxText's interpreter
+        env.pop("XLA_FLAGS", None)
+        proc = subprocess.run(maxtext_command(venv, out, steps), env=env, capture_output=True, text=True)
+    found = [(int(m[1]), float(m[2]), float(m[3])) for m in STEP_LINE.finditer(proc.stdout + proc.stderr)]
+    if proc.returncode != 0 or not found:
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        raise SystemExit(f"MaxText failed (exit {proc.returncode}), last output:\n{tail}")
+    return [tokens for step, _, tokens in found if step >= warmup]
+
+
+def run_marinctl(steps: int, warmup: int, transport: str, data_root: str | None, extra: list[str]) -> list[float]:
+    """Tokens/s of each marinctl step >= warmup, from the trainer's metrics.jsonl."""
+    with tempfile.TemporaryDirectory(prefix="marinctl-compare-") as run_dir:
+        sets = [f"train.steps={steps}", f"moe.transport={transport}", *extra]
+        if data_root:
+            sets.append(f"data.root={data_root}")
+        cmd = [sys.executable, "-m", "marinctl.cli", "train", str(RECIPE), "--run-dir", run_dir, "--quiet", "--json"]
+        for item in sets:
+            cmd += ["--set", item]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"marinctl train failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+        records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r["tokens_per_s"] for r in records if r.get("kind") == "train" and r["step"] >= warmup]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("maxtext_venv", type=Path, help="virtualenv with maxtext==0.2.5 installed")
+    parser.add_argument("--steps", type=int, default=20, help="training steps per run (each side)")
+    parser.add_argument("--warmup", type=int, default=5, help="steps excluded from the medians")
+    parser.add_argument("--rounds", type=int, default=1, help="alternate the two this many times")
+    parser.add_argument("--transport", default="ragged", help="marinctl moe.transport (dropless: ragged, dense)")
+    parser.add_argument("--data-root", default=None, help="marinctl data.root (built-in corpus built there if absent)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help="extra marinctl overrides")
+    args = parser.parse_args(argv)
+    if args.steps <= args.warmup:
+        parser.error("--steps must exceed --warmup")
+
+    ours: list[float] = []
+    theirs: list[float] = []
+    for r in range(args.rounds):
+        t = time.perf_counter()
+        ours += run_marinctl(args.steps, args.warmup, args.transport, args.data_root, args.overrides)
+        print(f"round {r + 1}: marinctl done in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+        t = time.perf_counter()
+        theirs += run_maxtext(args.maxtext_venv, args.steps, args.warmup)
+        print(f"round {r + 1}: MaxText done in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+
+    a, b = statistics.median(ours), statistics.median(theirs)
+    print(f"shapes: {json.dumps(SHAPES)}; marinctl transport {args.transport}; medians over steps >= {args.warmup}")
+    print(f"marinctl  {a:10,.0f} tokens/s  ({len(ours)} steps; hyperball optimizer, {args.transport} dropless)")
+    print(f"MaxText   {b:10,.0f} tokens/s  ({len(theirs)} steps; AdamW, ragged_dot dropless)")
+    print(f"ratio     {a / b:10.2f}x  (marinctl / MaxText)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
