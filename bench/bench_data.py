@@ -8,7 +8,7 @@
      BPE tokenizer trained on the same text, and with the byte tokenizer.
    The ratio marinctl/raw says how much of the encoder's speed survives the pipeline.
 2. Loader: `Loader.batch(step)` on the tiny recipe's built-in stores (and the prefetching iterator), against
-   the training tokens/s the tiny recipe could reach at 100% MFU on this CPU (SPEC 7 FLOPs per token × 3 ÷
+   the training tokens/s the tiny recipe could reach at 100% MFU on this CPU (docs/recipe.md §7 FLOPs per token × 3 ÷
    a float32 matmul's FLOP/s measured here) — and against a measured training figure if given.
 """
 

@@ -11,7 +11,7 @@ the dropless one must keep up with). `--mesh 2x4` runs on a (replica 1, data 2, 
 over simulated devices (`--xla_force_host_platform_device_count` is set before JAX starts);
 `--maxtext-shapes` applies the shapes of the MaxText comparison (issue 10) before any `--set`.
 
-FLOPs follow SPEC 7 (`marinctl.counting.flops_per_token`, full-square attention, lm_head included, ×3
+FLOPs follow docs/recipe.md §7 (`marinctl.counting.flops_per_token`, full-square attention, lm_head included, ×3
 for training); the peak is the trainer's MFU denominator (`marinctl.train.metrics.device_peak_flops`):
 on a CPU an f32 matmul measured in the same process, on a known GPU its datasheet bf16 peak. With a mesh
 of several simulated CPU devices sharing the cores, MFU is not meaningful and is not printed.

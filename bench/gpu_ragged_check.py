@@ -1,4 +1,4 @@
-"""GPU check of the dropless `ragged` transport with the real `jax.lax.ragged_all_to_all` (SPEC 4).
+"""GPU check of the dropless `ragged` transport with the real `jax.lax.ragged_all_to_all` (docs/recipe.md §4).
 
 XLA:CPU has no ragged all-to-all, so the CPU test suite runs the emulated exchange and only lowers this
 path. On a GPU (or TPU) box this script runs it on every local device, over an expert axis spanning

@@ -40,7 +40,7 @@ complete -c marinctl -n '__fish_seen_subcommand_from export' -l verbose
 complete -c marinctl -n '__fish_seen_subcommand_from export' -s q
 complete -c marinctl -n '__fish_seen_subcommand_from export' -s v
 complete -c marinctl -n '__fish_seen_subcommand_from export' -l help
-complete -c marinctl -f -n '__fish_use_subcommand' -a extend-context -d 'Record a mid-run context extension (tokens per step kept; applied by the next...'
+complete -c marinctl -f -n '__fish_use_subcommand' -a extend-context -d 'Record a mid-run context extension (tokens per step kept, qk_mult auto) in...'
 complete -c marinctl -n '__fish_seen_subcommand_from extend-context' -l at-step
 complete -c marinctl -n '__fish_seen_subcommand_from extend-context' -l capacity-factor
 complete -c marinctl -n '__fish_seen_subcommand_from extend-context' -l json
@@ -60,7 +60,7 @@ complete -c marinctl -n '__fish_seen_subcommand_from import' -l verbose
 complete -c marinctl -n '__fish_seen_subcommand_from import' -s q
 complete -c marinctl -n '__fish_seen_subcommand_from import' -s v
 complete -c marinctl -n '__fish_seen_subcommand_from import' -l help
-complete -c marinctl -f -n '__fish_use_subcommand' -a ladder -d 'Scaling ladder fit and forecast (SPEC §9); compute efficiency.'
+complete -c marinctl -f -n '__fish_use_subcommand' -a ladder -d 'Scaling ladder fit and forecast (recipe §9); compute efficiency.'
 complete -c marinctl -n '__fish_seen_subcommand_from ladder' -f -a efficiency
 complete -c marinctl -n '__fish_seen_subcommand_from ladder' -f -a fit
 complete -c marinctl -n '__fish_seen_subcommand_from ladder' -f -a run
@@ -98,7 +98,7 @@ complete -c marinctl -n '__fish_seen_subcommand_from plot' -l json
 complete -c marinctl -n '__fish_seen_subcommand_from plot' -l quiet
 complete -c marinctl -n '__fish_seen_subcommand_from plot' -s q
 complete -c marinctl -n '__fish_seen_subcommand_from plot' -l help
-complete -c marinctl -f -n '__fish_use_subcommand' -a switch-ep -d 'Record a mid-run EP transport change (applied by the next `train` of the...'
+complete -c marinctl -f -n '__fish_use_subcommand' -a switch-ep -d 'Record a mid-run EP transport change in RUN_DIR/schedule.toml (recipe.toml...'
 complete -c marinctl -n '__fish_seen_subcommand_from switch-ep' -l at-step
 complete -c marinctl -n '__fish_seen_subcommand_from switch-ep' -l capacity-factor
 complete -c marinctl -n '__fish_seen_subcommand_from switch-ep' -l compare

@@ -1,4 +1,4 @@
-"""Counting: parameters, FLOPs (SPEC 7), expert-parallel capacities (SPEC 4) and a memory estimate.
+"""Counting: parameters, FLOPs (recipe §7), expert-parallel capacities (recipe §4) and a memory estimate.
 
 The planner prints these and the trainer reuses them (MFU, the 791-tokens-per-active-parameter rule),
 so there is exactly one FLOP convention in the codebase.
@@ -19,8 +19,8 @@ BYTES_F32 = 4
 @dataclass(frozen=True)
 class ParamCount:
     total: int  # every parameter leaf
-    matmul: int  # hyperball matrices (MuonH + AdamH) + the token embedding: SPEC 1's "535.3B"
-    active: int  # SPEC 1's active-parameter formula
+    matmul: int  # hyperball matrices (MuonH + AdamH) + the token embedding: docs/recipe.md §1's "535.3B"
+    active: int  # docs/recipe.md §1's active-parameter formula
     components: dict[str, int] = field(default_factory=dict)
 
 
@@ -55,7 +55,7 @@ def count_params(recipe: Recipe) -> ParamCount:
     D, L, H, Dh = m.hidden, m.num_layers, m.num_heads, m.head_dim
     width = moe.latent_width if moe.latent else D
     latent_proj = 2 * D * width if moe.latent else 0
-    # SPEC 1: embeddings, lm_head, norms, gates and SConv excluded; KV counted at the stored heads.
+    # docs/recipe.md §1: embeddings, lm_head, norms, gates and SConv excluded; KV counted at the stored heads.
     active = L * (
         2 * D * H * Dh
         + 2 * D * recipe.stored_kv_heads * Dh
@@ -74,7 +74,7 @@ def count_params(recipe: Recipe) -> ParamCount:
 
 @dataclass(frozen=True)
 class Flops:
-    per_token: float  # forward FLOPs per token, SPEC 7 (full-square attention, lm_head included)
+    per_token: float  # forward FLOPs per token, docs/recipe.md §7 (full-square attention, lm_head included)
     per_token_causal: float  # MaxText convention: attention score/value FLOPs halved for causality
     lm_head_per_token: float
 
@@ -84,7 +84,7 @@ class Flops:
 
 
 def flops_per_token(recipe: Recipe, seq_len: int | None = None) -> Flops:
-    """SPEC 7. Global layers are counted from the recipe's real layer pattern; SPEC 7 writes G = L // 4,
+    """recipe §7. Global layers are counted from the recipe's real layer pattern; recipe §7 writes G = L // 4,
     which equals the pattern whenever (L-1) is itself a 4th layer (the hero, d768..d1536), and
     undercounts by one where the always-global last layer is extra (d2048: 6 global, not 5)."""
     m, a, moe = recipe.model, recipe.attention, recipe.moe
@@ -94,7 +94,7 @@ def flops_per_token(recipe: Recipe, seq_len: int | None = None) -> Flops:
     routed = 2 * 3 * width * moe.expert_width * moe.top_k + (2 * 2 * D * width if moe.latent else 0)
     shared = 2 * 3 * D * moe.shared_width * moe.shared_experts
     mlp = routed + shared + 2 * D * moe.num_experts
-    dense = 2 * H * Dh * D  # W_o (SPEC 7 writes 2*D*D, the same when H*Dh = D)
+    dense = 2 * H * Dh * D  # W_o (docs/recipe.md §7 writes 2*D*D, the same when H*Dh = D)
 
     def qkv(kv: int) -> float:
         return 2 * D * (H * Dh + 2 * kv * Dh)
@@ -131,7 +131,7 @@ class Capacity:
 
 
 def capacity(recipe: Recipe, tokens_per_shard: int, expert_shards: int) -> Capacity:
-    """SPEC 4's buffer sizes for T tokens per shard and an expert axis of S shards."""
+    """docs/recipe.md §4's buffer sizes for T tokens per shard and an expert axis of S shards."""
     moe = recipe.moe
     T, S, E, K, W = tokens_per_shard, expert_shards, moe.num_experts, moe.top_k, moe.waves
     cf = moe.capacity_factor

@@ -7,8 +7,8 @@ block's layout), e.g. `blocks.moe.experts.w_up` is [L, E, l, I]. Matrices are st
 (y = x @ W), not torch's [out, in]. `config.json` lists every tensor's shape and named axes.
 
 Beside the parameters, the tensor `router_bias` [L, E] (always fp32) holds the QB bias of the
-checkpoint's step: expert selection is `top_k(s + b)` (SPEC 2, LatentMoE step 1), so the model routes
-differently without it. It is not a parameter (SPEC 3.5), hence its own name outside the table.
+checkpoint's step: expert selection is `top_k(s + b)` (docs/recipe.md §2.10 step 2), so the model routes
+differently without it. It is not a parameter (docs/recipe.md §3.5), hence its own name outside the table.
 
 RoPE uses the split-halves convention of `marinctl/model/attention.py`: pairs (i, i + R/2) for
 i < R/2 on the first R = int(head_dim · rope_fraction) dims of each head, local layers only when

@@ -1,4 +1,4 @@
-"""The learning-rate heuristic and schedule of SPEC 5: one function the planner and the trainer share.
+"""The learning-rate heuristic and schedule of docs/recipe.md §5: one function the planner and the trainer share.
 
 The Adam LR law is the public run's fit over (total tokens, width, tokens per batch); MuonH rides at
 13/3 of it, and AdamH on the lm_head uses the MuonH LR. Any value can be pinned in `[optimizer]`.
@@ -54,7 +54,7 @@ def lr_multiplier(step: int, warmup_steps: int, steps: int, final_fraction: floa
     """Plain-Python schedule (multiplier of peak): the reference the optax schedule is tested against.
 
     Warmup from 0 over `warmup_steps`, then linear decay reaching `final_fraction` at the last step
-    (`steps - 1`). Step 0 therefore applies LR 0 when there is a warmup, as SPEC 5 says ("from 0").
+    (`steps - 1`). Step 0 therefore applies LR 0 when there is a warmup, as docs/recipe.md §5 says ("from 0").
     """
     if warmup_steps > 0 and step < warmup_steps:
         return step / warmup_steps

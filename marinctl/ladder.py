@@ -1,9 +1,9 @@
-"""Scaling ladder (SPEC §9): per-progress power-law fits across rungs, the target run's forecast, and
+"""Scaling ladder (docs/recipe.md §9): per-progress power-law fits across rungs, the target run's forecast, and
 compute efficiency against a baseline law.
 
 At every 5% of training progress g the rungs' dropless eval macro losses are fit with
 `log(L_g − E) = log A_g − α_g · log C_g` (least squares, E fixed), where C_g = g · C and C is a run's
-training FLOPs without the lm_head (SPEC §7). The target is forecast at the same progress with
+training FLOPs without the lm_head (docs/recipe.md §7). The target is forecast at the same progress with
 `E + A_g · (g · C_target)^−α_g`, so the forecast is a curve the big run can be tracked against while it
 trains, not one number at the end (the post's Figure 21). Pure numpy; matplotlib only for the plot.
 """
@@ -23,12 +23,12 @@ from marinctl.counting import flops_per_token
 from marinctl.errors import UserError
 from marinctl.recipe import Recipe, load_recipe
 
-# SPEC §9: the fits happen at every 5% of training progress.
+# docs/recipe.md §9: the fits happen at every 5% of training progress.
 PROGRESS_GRID: tuple[float, ...] = tuple(round(0.05 * i, 2) for i in range(1, 21))
 GRID_SPACING = 0.05
-# SPEC §9: irreducible loss calibrated for 4k context (the May law used 1.6, the 8k 67B-A2B law 1.4).
+# docs/recipe.md §9: irreducible loss calibrated for 4k context (the May law used 1.6, the 8k 67B-A2B law 1.4).
 IRREDUCIBLE_LOSS = 1.5
-# SPEC §9: an early-stopped rung continues the least-squares line of its evals in this progress window.
+# docs/recipe.md §9: an early-stopped rung continues the least-squares line of its evals in this progress window.
 # It ends at 80% because the data mix changes there (the bump in the post's Figure 11).
 EXTENSION_WINDOW = (0.6, 0.8)
 _TOL = 1e-9  # progress values come from step/steps; grid points must match them despite rounding
@@ -79,7 +79,7 @@ def check_rung_of(rung: Recipe, target: Recipe, where: str) -> None:
 
 
 def training_compute(recipe: Recipe) -> float:
-    """C of SPEC §9: the run's planned training FLOPs (3 · f · tokens) without the lm_head term (SPEC §7)."""
+    """C of recipe §9: the run's planned training FLOPs (3 · f · tokens) without the lm_head term (recipe §7)."""
     return flops_per_token(recipe).train(recipe.total_tokens, lm_head=False)
 
 
@@ -199,7 +199,7 @@ def rung_on_grid(
     extend: bool = True,
     window: tuple[float, float] = EXTENSION_WINDOW,
 ) -> RungOnGrid:
-    """Linear interpolation of the evals at each grid g; past the last eval, the window's line (SPEC §9).
+    """Linear interpolation of the evals at each grid g; past the last eval, the window's line (docs/recipe.md §9).
 
     A rung is extended only when it ran past the whole window and the window holds at least two evals, so
     the line is fit to evals that precede every extrapolated point.
@@ -230,7 +230,7 @@ def rung_on_grid(
 
 @dataclass(frozen=True)
 class PowerLaw:
-    """L(C) = E + A · C^−α (SPEC §9)."""
+    """L(C) = E + A · C^−α (docs/recipe.md §9)."""
 
     A: float
     alpha: float
@@ -240,7 +240,7 @@ class PowerLaw:
         return self.E + self.A * np.power(compute, -self.alpha)
 
     def compute_needed(self, loss: float) -> float:
-        """C_need = (A / (L − E))^(1/α): the compute at which this law reaches `loss` (SPEC §9)."""
+        """C_need = (A / (L − E))^(1/α): the compute at which this law reaches `loss` (docs/recipe.md §9)."""
         if not loss > self.E:
             raise UserError(f"loss {loss:g} must be above the irreducible loss E = {self.E:g}")
         if not self.alpha > 0 or not self.A > 0:
@@ -314,7 +314,7 @@ def fit_ladder(
     extend: bool = True,
     grid: tuple[float, ...] = PROGRESS_GRID,
 ) -> LadderFit:
-    """SPEC §9: at each g, fit the rungs that have a loss there and forecast `E + A_g · (g·C_target)^−α_g`."""
+    """docs/recipe.md §9: at each g, fit the rungs that have a loss there and forecast `E + A_g · (g·C_target)^−α_g`."""
     if len(rungs) < 2:
         raise UserError(f"a ladder fit needs at least 2 rungs (got {len(rungs)})")
     names = [r.name for r in rungs]
@@ -349,7 +349,7 @@ def fit_ladder(
 
 def compute_efficiency(law: PowerLaw, loss: float, compute: float) -> tuple[float, float]:
     """(C_need, C_need / C): the compute the baseline law needs to reach a variant's loss, and that as a
-    multiple of the compute the variant used (SPEC §9; 1.18 means the baseline needs 18% more)."""
+    multiple of the compute the variant used (docs/recipe.md §9; 1.18 means the baseline needs 18% more)."""
     if not compute > 0:
         raise UserError(f"compute must be positive (got {compute:g})")
     c_need = law.compute_needed(loss)

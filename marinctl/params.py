@@ -19,7 +19,7 @@ from marinctl.recipe import ParallelConfig, Recipe
 Group = Literal["adam", "adamh", "muonh"]
 
 # Hyperball norms are frozen per matrix; these leading axes index separate matrices. The experts axis
-# is deliberately absent: an expert stack keeps one norm per layer, jointly over its experts (SPEC 5).
+# is deliberately absent: an expert stack keeps one norm per layer, jointly over its experts (docs/recipe.md §5).
 NORM_KEEP_AXES = ("layers", "shared")
 # Newton-Schulz orthogonalizes each matrix separately: per layer, per expert, per shared expert.
 MATRIX_BATCH_AXES = ("layers", "experts", "shared")
@@ -43,7 +43,7 @@ class ParamSpec:
 
 
 def param_table(recipe: Recipe) -> dict[str, ParamSpec]:
-    """Every parameter leaf of the model for this recipe, in the order of SPEC 2."""
+    """Every parameter leaf of the model for this recipe, in the order of docs/recipe.md §2."""
     m, a, moe = recipe.model, recipe.attention, recipe.moe
     D, V, L, H, Dh = m.hidden, m.vocab_size, m.num_layers, m.num_heads, m.head_dim
     kv, r, k = recipe.stored_kv_heads, m.gated_norm_rank, m.sconv_kernel

@@ -100,7 +100,7 @@ class MoEConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    adam_lr: float | None = _f(None, min=0.0, doc="Adam LR (default: SPEC 5 heuristic)")
+    adam_lr: float | None = _f(None, min=0.0, doc="Adam LR (default: docs/recipe.md §5 heuristic)")
     muonh_lr: float | None = _f(None, min=0.0, doc="MuonH LR (default: 13/3 * adam_lr, capped 0.05)")
     adamh_lr: float | None = _f(None, min=0.0, doc="AdamH (lm_head) LR (default: the MuonH LR)")
     beta1: float | None = _f(None, min=0.0, max=1.0, doc="default 0.9062")
@@ -109,9 +109,6 @@ class OptimizerConfig:
     muon_momentum: float = _f(0.95, min=0.0, max=1.0, doc="Muon momentum (Nesterov)")
     ns_coefficients: Literal["tuned", "simple"] = _f("tuned", doc="Newton-Schulz coefficient table")
     ns_steps: int = _f(5, min=1, doc="Newton-Schulz iterations")
-    ns_dtype: Literal["float32", "bfloat16"] = _f(
-        "float32", doc="Newton-Schulz matmul operands (bfloat16: f32 accumulation, ~1.3x faster on a bf16 CPU)"
-    )
     weight_decay: float = _f(0.0, min=0.0, doc="decoupled WD on attention gate and router, annealed to 0")
     grad_clip: float = _f(0.0, min=0.0, doc="global-norm clip; 0 = off (the hero ran without)")
 
@@ -274,11 +271,11 @@ class Recipe:
 
     @property
     def stored_kv_heads(self) -> int:
-        """KV heads stored per layer: global layers use the first `global_kv_heads` of them (SPEC 2.2)."""
+        """KV heads stored per layer: global layers use the first `global_kv_heads` of them (docs/recipe.md §2.2)."""
         return max(self.attention.local_kv_heads, self.attention.global_kv_heads)
 
     def layer_is_global(self) -> tuple[bool, ...]:
-        """Layer i (0-based) is global iff (i+1) % global_every == 0, or it is the last layer (SPEC 1)."""
+        """Layer i (0-based) is global iff (i+1) % global_every == 0, or it is the last layer (docs/recipe.md §1)."""
         n, every = self.model.num_layers, self.attention.global_every
         last = self.attention.last_layer_global
         return tuple((i + 1) % every == 0 or (last and i == n - 1) for i in range(n))
@@ -508,7 +505,7 @@ def _convert(value: Any, hint: Any, dotted: str, provenance: dict[str, str], src
 
 
 def _resolve_steps(recipe: Recipe, provenance: dict[str, str]) -> Recipe:
-    """`train.steps = 0` means: derive from tokens per active parameter (SPEC 9's 791 rule)."""
+    """`train.steps = 0` means: derive from tokens per active parameter (docs/recipe.md §9's 791 rule)."""
     if recipe.train.steps > 0:
         return recipe
     src = provenance.get("train.steps", recipe.source)

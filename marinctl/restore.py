@@ -1,6 +1,6 @@
 """Read a finished (or running) training run back: its resolved recipe, and the weights of one checkpoint.
 
-`marinctl eval` and `marinctl export` need only the model and the QB router bias (SPEC 3.5: selection
+`marinctl eval` and `marinctl export` need only the model and the QB router bias (docs/recipe.md §3.5: selection
 reads the bias, so it travels with the weights), not the optimizer state the trainer checkpoints beside
 them, so this restores just those leaves (orbax partial restore) — a third of the bytes the full train
 state holds. The checkpoint directory is opened read-only: unlike the trainer's `Checkpoints`, it never

@@ -3,7 +3,7 @@
 The run dir's resolved recipe (plus `--set`) names the eval sources and batches; the checkpoint's model
 and QB router bias are restored into the training layout and evaluated with the trainer's own eval
 step (`marinctl.train.evaluate`), so the numbers equal the run's in-loop `eval` records at that step.
-Dropless (the `dense` transport, or `ragged` when dense would not fit; SPEC 6) is the default;
+Dropless (the `dense` transport, or `ragged` when dense would not fit; docs/recipe.md §6) is the default;
 `--transport fixed|pooled` evaluates with the drops a training transport makes, which measures
 their cost against the dropless loss.
 """

@@ -54,6 +54,7 @@ def extend_context(
 
 stage = Stage(
     name="extend-context",
-    help="Record a mid-run context extension (tokens per step kept; applied by the next `train` of the run).",
+    help="Record a mid-run context extension (tokens per step kept, qk_mult auto) in RUN_DIR/schedule.toml; the "
+    "run's next `marinctl train` (a requeue) applies it, refused while a trainer holds the run.",
     command=extend_context,
 )

@@ -1,4 +1,4 @@
-"""`marinctl ladder`: fit the scaling ladder and forecast the big run (SPEC §9); compute efficiency of a
+"""`marinctl ladder`: fit the scaling ladder and forecast the big run (docs/recipe.md §9); compute efficiency of a
 variant against a baseline law.
 
 `ladder fit RUN_DIR... --target RECIPE` reads each rung's `recipe.toml` and eval records from its
@@ -42,7 +42,7 @@ from marinctl.stage import JsonOpt, QuietOpt, Stage, console, emit_json
 
 app = typer.Typer(
     name="ladder",
-    help="Scaling ladder: fit rungs and forecast a target run (SPEC §9); compute efficiency vs a law.",
+    help="Scaling ladder: fit rungs and forecast a target run (docs/recipe.md §9); compute efficiency vs a law.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
@@ -466,7 +466,7 @@ def efficiency(
     E: Annotated[float | None, typer.Option("--E", help="Baseline law irreducible loss E.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Compute efficiency of a variant: C_need = (A/(L_var − E))^(1/α) over the compute it used (SPEC §9).
+    """Compute efficiency of a variant: C_need = (A/(L_var − E))^(1/α) over the compute it used (docs/recipe.md §9).
 
     The baseline law comes from --law (a saved fit, so an ablation at one size is judged against the
     ladder without refitting) or from --A/--alpha/--E; the variant from RUN_DIR or --loss/--compute."""
@@ -512,5 +512,5 @@ def efficiency(
 
 
 stage = Stage(
-    name="ladder", help="Scaling ladder fit and forecast (SPEC §9); compute efficiency.", command=fit, group=app
+    name="ladder", help="Scaling ladder fit and forecast (recipe §9); compute efficiency.", command=fit, group=app
 )

@@ -251,6 +251,7 @@ def compare_table(result: dict[str, Any]):
 
 stage = Stage(
     name="switch-ep",
-    help="Record a mid-run EP transport change (applied by the next `train` of the run); --compare K A/Bs it.",
+    help="Record a mid-run EP transport change in RUN_DIR/schedule.toml (recipe.toml untouched); the run's next "
+    "`marinctl train` (a requeue) applies it, refused while a trainer holds the run. --compare K: A/B, no writes.",
     command=switch_ep,
 )

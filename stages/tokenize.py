@@ -1,4 +1,4 @@
-"""`marinctl tokenize`: text, JSONL and Parquet inputs → a resumable zarr v3 jagged token store (SPEC 6)."""
+"""`marinctl tokenize`: text, JSONL and Parquet inputs → a resumable zarr v3 jagged token store (docs/recipe.md §6)."""
 
 from __future__ import annotations
 

@@ -1,1 +1,1 @@
-"""Data: tokenized jagged stores, the built-in corpus, packing and mixtures (SPEC 6)."""
+"""Data: tokenized jagged stores, the built-in corpus, packing and mixtures (docs/recipe.md §6)."""

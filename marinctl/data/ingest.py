@@ -4,7 +4,7 @@ The pipeline is the core of `marinctl tokenize` and of the built-in corpus. Resu
 granularity: the manifest's cursor says how many input files are done and how many records of the next
 one are committed; a rerun skips exactly those and continues, so a killed-and-rerun store equals an
 uninterrupted one token for token. A finished store whose inputs are a prefix of a new input list is
-appended to (SPEC 6: "appendable and resumable").
+appended to (docs/recipe.md §6: "appendable and resumable").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The loader (SPEC 6): packed sequences with segment ids from a phased mixture, a pure function of the step.
+"""The loader (docs/recipe.md §6): packed sequences with segment ids from a phased mixture, a pure function of the step.
 
 Row r of step n's global batch is built from (seed, n, r) alone:
 1. **Source** (mixture with phases). Rows are numbered globally, g = n·B + r; inside a phase they fall
@@ -14,7 +14,7 @@ Row r of step n's global batch is built from (seed, n, r) alone:
    provided, so the last position is trained too). Segment ids count documents from 1 inside the row and
    change exactly at document starts; a document cut by the window start continues with id 1 (a
    continuation is a fresh segment: it cannot attend to its own beginning in the previous row).
-   `loss_mask[t] = 0` where `targets[t]` starts another document (SPEC 6: no cross-document targets).
+   `loss_mask[t] = 0` where `targets[t]` starts another document (docs/recipe.md §6: no cross-document targets).
 Segment id 0 (padding) only appears in `eval_batches`, whose last window of a source is partial.
 
 **Schedules** (`marinctl.schedule`, docs/recipe.md §8). A change of `train.seq_len` mid-run re-derives the

@@ -1,4 +1,4 @@
-"""The tokenized store (SPEC 6): one jagged array per source — flat `tokens` plus document `offsets`.
+"""The tokenized store (docs/recipe.md §6): one jagged array per source — flat `tokens` plus document `offsets`.
 
 Layout of a store directory (a zarr v3 group, readable by plain `zarr.open_group(path)`):
 
@@ -32,7 +32,7 @@ from marinctl.errors import UserError
 FORMAT = "marinctl.jagged/1"
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"  # a tokenizer trained on the inputs lives beside the arrays
-CHUNK_BYTES = 1 << 20  # SPEC 6: ~1 MB chunks
+CHUNK_BYTES = 1 << 20  # docs/recipe.md §6: ~1 MB chunks
 _FLUSH_TOKENS = 1 << 21  # pending tokens buffered in memory before they are written (uncommitted)
 _OWN_ENTRIES = ("zarr.json", "tokens", "offsets", MANIFEST, MANIFEST + ".tmp", TOKENIZER_FILE, TOKENIZER_FILE + ".tmp")
 

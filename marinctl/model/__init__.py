@@ -1,4 +1,4 @@
-"""The hero model (SPEC 2) as equinox modules, readable top to bottom in SPEC order:
+"""The hero model (docs/recipe.md §2) as equinox modules, readable top to bottom in SPEC order:
 
 - `layers.py`      RMSNorm, GatedNorm, the short causal conv (SConv), the precision contract
 - `attention.py`   GQA attention: QK norm × qk_mult, partial RoPE / NoPE, window, documents, XSA, gate

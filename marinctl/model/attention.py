@@ -1,4 +1,4 @@
-"""Attention (SPEC 2): GQA with per-layer KV heads, QK RMSNorm × qk_mult, partial RoPE on local layers,
+"""Attention (docs/recipe.md §2): GQA with per-layer KV heads, QK RMSNorm × qk_mult, partial RoPE on local layers,
 NoPE on global layers, causal sliding window, packed-document masking, XSA and the head-wise gate.
 
 One module serves every layer: whether a layer is local or global arrives as `LayerFacts` arrays
@@ -26,8 +26,8 @@ from marinctl.recipe import AttentionConfig
 
 # Keys beyond a global layer's reach: larger than any sequence, small enough for int32 arithmetic.
 UNBOUNDED_WINDOW = 2**30
-XSA_EPS = 1e-6  # SPEC 2.6
-LOG_LENGTH_BASE = 65536  # SPEC 8: global layers' query scale starts beyond 65k tokens
+XSA_EPS = 1e-6  # docs/recipe.md §2.6
+LOG_LENGTH_BASE = 65536  # docs/recipe.md §8: global layers' query scale starts beyond 65k tokens
 
 
 class LayerFacts(eqx.Module):
@@ -41,7 +41,7 @@ class LayerFacts(eqx.Module):
 
 def kv_head_map(num_heads: int, kv_heads: int) -> list[int]:
     """GQA grouping: query head h reads KV head h // (H / kv) — so a layer using fewer KV heads uses the
-    first `kv_heads` of the stored ones (SPEC 2.2)."""
+    first `kv_heads` of the stored ones (docs/recipe.md §2.2)."""
     group = num_heads // kv_heads
     return [h // group for h in range(num_heads)]
 
@@ -70,7 +70,7 @@ def rope(
 
 
 def log_length_scale(positions: Int[Array, "b s"]) -> Float[Array, "b s"]:
-    """SPEC 8: `(1 + 0.1·ln(n / 65,536))²` for a query that sees n = position + 1 tokens, floored at 1
+    """docs/recipe.md §8: `(1 + 0.1·ln(n / 65,536))²` for a query that sees n = position + 1 tokens, floored at 1
     (exactly 1 up to 65,536 tokens, 1.143 at 131k, 1.296 at 262k). Global layers only."""
     n = jnp.maximum(positions.astype(F32) + 1.0, LOG_LENGTH_BASE)
     return (1.0 + 0.1 * jnp.log(n / LOG_LENGTH_BASE)) ** 2
@@ -201,7 +201,7 @@ def banded_attention(
 
 
 def exclusive_self_attention(y: Float[Array, "b s h d"], v: Float[Array, "b s kv d"]) -> Float[Array, "b s h d"]:
-    """SPEC 2.6 (XSA): drop from each head's output its component along the token's own value vector (the
+    """docs/recipe.md §2.6 (XSA): drop from each head's output its component along the token's own value vector (the
     KV head it reads, grouped like the queries, never expanded)."""
     B, S, H, Dh = y.shape
     kv = v.shape[2]
@@ -240,7 +240,7 @@ def select_impl(impl: str, dtype: jnp.dtype) -> str:
 
 
 class Attention(eqx.Module):
-    """SPEC 2 attention on the normalized input `a`. Weights `[in, out]`; heads are contiguous Dh slices."""
+    """docs/recipe.md §2 attention on the normalized input `a`. Weights `[in, out]`; heads are contiguous Dh slices."""
 
     w_q: Float[Array, "d hq"]
     w_k: Float[Array, "d hkv"]
@@ -268,7 +268,7 @@ class Attention(eqx.Module):
         q = a @ self.w_q.astype(dtype)
         k = a @ self.w_k.astype(dtype)
         v = a @ self.w_v.astype(dtype)
-        if sconv_keys is not None:  # SPEC 2.1: on the key projection, before the QK norm
+        if sconv_keys is not None:  # docs/recipe.md §2.1: on the key projection, before the QK norm
             k = sconv_keys(k, segment_ids)
         if sconv_values is not None:
             v = sconv_values(v, segment_ids)
@@ -298,7 +298,7 @@ class Attention(eqx.Module):
             y = fused_attention(q, k, v, attention_mask(segment_ids, facts.window), impl)
             if cfg.xsa:
                 y = exclusive_self_attention(y, v)
-        if self.w_gate is not None:  # SPEC 2.7: head-wise gate after XSA, before W_o
+        if self.w_gate is not None:  # docs/recipe.md §2.7: head-wise gate after XSA, before W_o
             gate = 2.0 * jax.nn.sigmoid((a @ self.w_gate.astype(dtype)).astype(F32))
             y = (y.astype(F32) * gate[..., None]).astype(dtype)
         return y.reshape(B, S, H * Dh) @ self.w_o.astype(dtype)
@@ -313,7 +313,7 @@ class Attention(eqx.Module):
     ) -> Float[Array, "b s h d"]:
         """Attention + XSA on the XLA path, a `lax.cond` on the (traced) layer kind so that each kind runs only
         the work it needs: local layers the banded path over `config.window` with `local_kv_heads`, global
-        layers the full square with the first `global_kv_heads` (SPEC 2.2). The traced `facts.window` is the
+        layers the full square with the first `global_kv_heads` (docs/recipe.md §2.2). The traced `facts.window` is the
         mask's window; the band's static bound is `config.window`, which `Transformer.layer_facts` gives every
         local layer."""
         cfg = self.config

@@ -1,4 +1,4 @@
-"""The small pieces SPEC 2 composes: RMSNorm, GatedNorm and the short causal conv (SConv).
+"""The small pieces docs/recipe.md §2 composes: RMSNorm, GatedNorm and the short causal conv (SConv).
 
 Precision contract (shared by every module in `marinctl.model`): parameters are fp32 master weights and
 are cast to the compute dtype at the matmul that uses them; norms run in fp32 and hand back fp32.
@@ -60,7 +60,7 @@ def batch_shards(n: int) -> int:
 
 
 def rms_norm(x: Float[Array, "... d"], eps: float) -> Float[Array, "... d"]:
-    """Non-parametric RMSNorm `x / sqrt(mean(x²) + eps)`, always in fp32 (SPEC 2)."""
+    """Non-parametric RMSNorm `x / sqrt(mean(x²) + eps)`, always in fp32 (docs/recipe.md §2)."""
     x = x.astype(F32)
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
 
@@ -76,7 +76,7 @@ class RMSNorm(eqx.Module):
 
 
 class GatedNorm(eqx.Module):
-    """`y = x̂ ⊙ sigmoid(W_up · silu(W_down · x̂))`, rank r, no biases (SPEC 2).
+    """`y = x̂ ⊙ sigmoid(W_up · silu(W_down · x̂))`, rank r, no biases (docs/recipe.md §2).
 
     Applied to an RMSNorm output x̂. The two rank-r matmuls run in the compute dtype; the gate and the
     product stay fp32 so the norm's output scale is exact. At init the gate is ≈ 0.5 (small matrices).
@@ -100,7 +100,7 @@ def normalize(norm: RMSNorm, gated_norm: GatedNorm | None, x: Array, dtype: jnp.
 
 
 class ShortConv(eqx.Module):
-    """SConv: depthwise causal conv over the sequence, `weight[lag, c]`, lag 0 = the current token (SPEC 2).
+    """SConv: depthwise causal conv over the sequence, `weight[lag, c]`, lag 0 = the current token (docs/recipe.md §2).
 
     `out[t,c] = Σ_lag w[lag,c] · x[t−lag,c] · 1[seg(t−lag) = seg(t)]`; positions before the sequence start
     read as 0. No bias, no activation, no internal residual; identity init makes it a no-op at step 0.

@@ -1,7 +1,7 @@
-"""The training loss (SPEC 2): mean token cross-entropy plus the logit z-loss, over unmasked tokens.
+"""The training loss (docs/recipe.md §2): mean token cross-entropy plus the logit z-loss, over unmasked tokens.
 
 The z-loss `w · logsumexp(logits)²` stays in the recipe because hyperball pins the lm_head norm but
-not the final RMSNorm gain, which otherwise grows and inflates the logits (the run's lesson, SPEC 10).
+not the final RMSNorm gain, which otherwise grows and inflates the logits (the run's lesson, docs/recipe.md §10).
 
 `model.ce_chunk_tokens` > 0 applies the lm_head and the loss one token chunk at a time under a scan with
 a rematerialized body, so only one chunk's fp32 logits (and their gradient) is ever alive: the hero's

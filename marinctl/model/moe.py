@@ -1,4 +1,4 @@
-"""LatentMoE with shared experts and the quantile-balanced sigmoid router (SPEC 2, SPEC 3.1).
+"""LatentMoE with shared experts and the quantile-balanced sigmoid router (docs/recipe.md §2, docs/recipe.md §3.1).
 
 The router reads the full hidden state; routed experts run in a down-projected, RMS-normalized latent
 (rows travel between devices at latent width, halving all-to-all bytes at 2× compression); two shared
@@ -20,7 +20,7 @@ from marinctl.recipe import MoEConfig
 from marinctl.routing.quantile_balance import quantile_beta, router_margins
 from marinctl.routing.transports import get_transport
 
-WEIGHT_SUM_EPS = 1e-9  # SPEC 2: w ← w · 2.5 / (Σ w + 1e-9)
+WEIGHT_SUM_EPS = 1e-9  # docs/recipe.md §2: w ← w · 2.5 / (Σ w + 1e-9)
 
 
 class Routing(eqx.Module):
@@ -28,11 +28,11 @@ class Routing(eqx.Module):
 
     expert_idx: Int[Array, "t k"]  # selected on the biased scores
     combine: Float[Array, "t k"]  # from the unbiased sigmoid scores, renormalized to router_weight_sum
-    margins: Float[Array, "t e"] | None  # QB input (SPEC 3.1), stop-gradient; None when K = E
+    margins: Float[Array, "t e"] | None  # QB input (docs/recipe.md §3.1), stop-gradient; None when K = E
 
 
 def route(logits: Float[Array, "t e"], bias: Float[Array, " e"], moe: MoEConfig) -> Routing:
-    """Top-K on biased scores, combine weights from the unbiased ones (SPEC 2 MoE steps 1–3, SPEC 3.1).
+    """Top-K on biased scores, combine weights from the unbiased ones (recipe §2.10 steps 1–3, recipe §3.1).
 
     Selection and margins come from the routing team's `router_margins` ("logit": select on `s + b`,
     `μ = s − α`; "post_sigmoid": select on `sigmoid(s) + b`, `μ = sigmoid(s) − α`, α the (K+1)-th biased
@@ -57,7 +57,7 @@ class Experts(eqx.Module):
 
 
 class SharedExperts(eqx.Module):
-    """n shared SwiGLU experts on the full-width input, summed (SPEC 2 MoE step 7)."""
+    """n shared SwiGLU experts on the full-width input, summed (docs/recipe.md §2.10 step 7)."""
 
     w_gate: Float[Array, "n d i"]
     w_up: Float[Array, "n d i"]
@@ -89,7 +89,7 @@ class LatentMoE(eqx.Module):
         self, m: Float[Array, "t d"], router_bias: Float[Array, " e"], valid: Bool[Array, " t"]
     ) -> tuple[Float[Array, "t d"], dict[str, Array]]:
         moe, dtype = self.config, m.dtype
-        logits = m.astype(F32) @ self.router  # router in fp32 (SPEC 2 MoE step 1)
+        logits = m.astype(F32) @ self.router  # router in fp32 (docs/recipe.md §2.10 step 1)
         routing = route(logits, router_bias, moe)
 
         u = m
@@ -123,7 +123,7 @@ class LatentMoE(eqx.Module):
         return out, stats
 
     def _beta(self, routing: Routing, valid: Bool[Array, " t"], num_experts: int) -> Float[Array, " e"]:
-        """This step's QB quantile (SPEC 3). Computed with `balancing = "none"` too, for logging — the
+        """This step's QB quantile (docs/recipe.md §3). Computed with `balancing = "none"` too, for logging — the
         trainer then ignores it; zeros when K = E (every expert always selected, nothing to balance)."""
         if routing.margins is None:
             return jnp.zeros((num_experts,), F32)

@@ -1,4 +1,4 @@
-"""The hero model (SPEC 2): embedding → norms → L scanned blocks → norms → untied lm_head.
+"""The hero model (docs/recipe.md §2): embedding → norms → L scanned blocks → norms → untied lm_head.
 
     h = GatedNorm_e(RMSNorm_e(embed[tokens]))
     for each layer:   x = x + SConv_attn(Attention(GatedNorm_a(RMSNorm_a(x))))
@@ -57,7 +57,7 @@ class LMHead(eqx.Module):
 
 
 class Block(eqx.Module):
-    """One layer; the scan slices the [L] axis off every leaf. Field order follows SPEC 2 (and the table)."""
+    """One layer; the scan slices the [L] axis off every leaf. Field order follows docs/recipe.md §2 (and the table)."""
 
     attn_norm: RMSNorm
     attn_gated_norm: GatedNorm | None
@@ -97,7 +97,7 @@ class Block(eqx.Module):
 
 
 def document_positions(segment_ids: Int[Array, "b s"]) -> Int[Array, "b s"]:
-    """Position of each token inside its packed document (RoPE and SPEC 8's length scale read these)."""
+    """Position of each token inside its packed document (RoPE and docs/recipe.md §8's length scale read these)."""
     B, S = segment_ids.shape
     idx = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     starts = jnp.concatenate([jnp.ones((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
@@ -105,7 +105,7 @@ def document_positions(segment_ids: Int[Array, "b s"]) -> Int[Array, "b s"]:
 
 
 class Transformer(eqx.Module):
-    """SPEC 2. `model(tokens, segment_ids, router_bias) -> (logits fp32 [B,S,V], aux)`.
+    """docs/recipe.md §2. `model(tokens, segment_ids, router_bias) -> (logits fp32 [B,S,V], aux)`.
 
     Segment id 0 is padding; RoPE positions restart at every document. The residual stream is carried
     in the compute dtype (bf16 on GPU: the saved-activation size the planner assumes); every norm reads
@@ -125,7 +125,7 @@ class Transformer(eqx.Module):
     remat: str = eqx.field(static=True)
 
     def layer_facts(self) -> LayerFacts:
-        """Per-layer facts as [L]-stacked constants (SPEC 1/2: global ⇒ no window, NoPE, first KV heads)."""
+        """Per-layer facts as [L]-stacked constants (recipe §1, §2: global ⇒ no window, NoPE, first KV heads)."""
         att = self.blocks.attention
         cfg, H = att.config, att.num_heads
         is_global = np.asarray(self.layer_is_global)
@@ -177,7 +177,7 @@ class Transformer(eqx.Module):
 
 
 def init_params(recipe: Recipe, key: PRNGKeyArray) -> dict[str, Array]:
-    """Every leaf of `param_table(recipe)` initialized per its spec, fp32 (SPEC 1/2).
+    """Every leaf of `param_table(recipe)` initialized per its spec, fp32 (docs/recipe.md §1, §2).
 
     "normal": init_scale/√D · truncated_normal(−3, 3) for every matrix (D the residual width, for all of
     them); "ones"/"zeros"; "identity_conv": w[lag 0] = 1, other lags 0. Each leaf's key folds in a hash

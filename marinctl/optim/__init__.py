@@ -1,4 +1,4 @@
-"""Hyperball optimizer: MuonH / AdamH / Adam groups (SPEC 5)."""
+"""Hyperball optimizer: MuonH / AdamH / Adam groups (docs/recipe.md §5)."""
 
 from marinctl.optim.build import build_optimizer, optimizer_state_shardings
 from marinctl.optim.groups import group_of, group_sizes, hyperball_norms, param_group_labels

@@ -1,4 +1,4 @@
-"""`build_optimizer`: the three SPEC 5 groups as one optax transformation, plus state shardings.
+"""`build_optimizer`: the three docs/recipe.md §5 groups as one optax transformation, plus state shardings.
 
     adam   scale_by_adam -> -adam_lr * schedule   (+ decoupled weight decay on gate and router)
     adamh  scale_by_adam -> hyperball(adamh_lr * schedule)                       lm_head
@@ -25,7 +25,7 @@ from marinctl.optim.schedule import lr_schedule, weight_decay_schedule
 from marinctl.params import param_table, path_str, spec_for, tree_paths
 from marinctl.recipe import Recipe
 
-# SPEC 5: the only leaves weight decay may touch (both live outside hyperball).
+# docs/recipe.md §5: the only leaves weight decay may touch (both live outside hyperball).
 WEIGHT_DECAY_PATHS = frozenset({"blocks.attention.w_gate", "blocks.moe.router"})
 
 
@@ -67,7 +67,7 @@ def build_optimizer(recipe: Recipe, params) -> optax.GradientTransformation:
         if tuple(leaf.shape) != spec.shape:
             raise ValueError(f"parameter {path} has shape {tuple(leaf.shape)}, the table says {spec.shape}")
         if group_of(path) != spec.group:
-            raise ValueError(f"parameter {path}: SPEC 5 rules say {group_of(path)}, the table says {spec.group}")
+            raise ValueError(f"parameter {path}: recipe §5 rules say {group_of(path)}, the table says {spec.group}")
         if spec.group == "muonh":
             matrix_batch_ndim(spec)  # raises unless the leaf is [*stack, in, out]
         if spec.group in ("muonh", "adamh"):
@@ -76,7 +76,7 @@ def build_optimizer(recipe: Recipe, params) -> optax.GradientTransformation:
     adam_tail = []
     if o.weight_decay > 0:
         # Strength weight_decay * adam_lr (AdamW's lr * lambda), annealed linearly to 0 at the last step
-        # independently of the LR warmup/decay: SPEC 5 gives only "annealed linearly to 0".
+        # independently of the LR warmup/decay: docs/recipe.md §5 gives only "annealed linearly to 0".
         adam_tail.append(
             decoupled_weight_decay(weight_decay_schedule(hp, o.weight_decay * hp.adam_lr), WEIGHT_DECAY_PATHS)
         )
@@ -91,7 +91,7 @@ def build_optimizer(recipe: Recipe, params) -> optax.GradientTransformation:
             hyperball(lr_schedule(hp, hp.adamh_lr), scopes),
         ),
         "muonh": optax.chain(
-            scale_by_muon(o.muon_momentum, coefficient_schedule(o.ns_coefficients, o.ns_steps), jnp.dtype(o.ns_dtype)),
+            scale_by_muon(o.muon_momentum, coefficient_schedule(o.ns_coefficients, o.ns_steps)),
             hyperball(lr_schedule(hp, hp.muonh_lr), scopes),
         ),
     }

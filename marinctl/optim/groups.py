@@ -1,6 +1,6 @@
-"""Parameter groups of the hyperball optimizer (SPEC 5): which leaf trains with Adam, AdamH or MuonH.
+"""Parameter groups of the hyperball optimizer (docs/recipe.md §5): which leaf trains with Adam, AdamH or MuonH.
 
-The rule list below is SPEC 5's table read top to bottom (first match wins), applied to dotted leaf
+The rule list below is docs/recipe.md §5's table read top to bottom (first match wins), applied to dotted leaf
 paths, so it labels any tree shaped like the model (parameters, gradients, abstract shapes). The
 parameter table (`marinctl.params.param_table`) records the same group per leaf for the planner;
 `build_optimizer` refuses to run if the two ever disagree.
@@ -19,7 +19,7 @@ from marinctl.recipe import Recipe
 
 GROUPS: tuple[Group, ...] = ("adam", "adamh", "muonh")
 
-# (pattern on the dotted path, group); first match wins, as in SPEC 5.
+# (pattern on the dotted path, group); first match wins, as in docs/recipe.md §5.
 GROUP_RULES: tuple[tuple[str, Group], ...] = (
     # The embedding stays outside hyperball: under AdamH its gradient norm spiked (the post, Figure 5).
     (r"^embed\.weight$", "adam"),
@@ -39,7 +39,7 @@ _COMPILED = tuple((re.compile(pattern), group) for pattern, group in GROUP_RULES
 
 
 def group_of(path: str) -> Group:
-    """The optimizer group of the leaf at dotted `path` (SPEC 5's table, first match wins)."""
+    """The optimizer group of the leaf at dotted `path` (docs/recipe.md §5's table, first match wins)."""
     for pattern, group in _COMPILED:
         if pattern.search(path):
             return group
@@ -74,7 +74,7 @@ def _leading(spec: ParamSpec, names: tuple[str, ...]) -> int:
 def norm_axes(spec: ParamSpec) -> tuple[int, ...]:
     """Axes a hyperball norm reduces over: all but the leading per-layer / per-shared-expert axes.
 
-    Expert stacks `[L, E, in, out]` therefore keep one norm per layer jointly over their experts (SPEC 5).
+    Expert stacks `[L, E, in, out]` therefore keep one norm per layer jointly over their experts (docs/recipe.md §5).
     """
     return tuple(range(_leading(spec, NORM_KEEP_AXES), len(spec.shape)))
 

@@ -1,4 +1,4 @@
-"""The hyperball step (SPEC 5): move along a direction, then project back to the initial norm.
+"""The hyperball step (docs/recipe.md §5): move along a direction, then project back to the initial norm.
 
 `p' = p - lr * n * u / ||u||`, `p_new = n * p' / ||p'||`, with `n = ||p_0||` frozen in the optimizer
 state at `init`. The step is relative (lr is the fraction of the matrix norm moved per step), and the

@@ -1,7 +1,7 @@
-"""The Muon direction (SPEC 5): Nesterov momentum, then Newton-Schulz orthogonalization per matrix.
+"""The Muon direction (docs/recipe.md §5): Nesterov momentum, then Newton-Schulz orthogonalization per matrix.
 
 optax.contrib.muon is close but not this: it keeps an EMA `m <- b*m + (1-b)*g` with bias correction
-and normalizes with `jnp.linalg.norm`; SPEC 5 asks for `m <- 0.95*m + g`, `u = 0.95*m + g` and explicit
+and normalizes with `jnp.linalg.norm`; docs/recipe.md §5 asks for `m <- 0.95*m + g`, `u = 0.95*m + g` and explicit
 fp32 norms. The hyperball step that follows rescales the direction per norm scope, so only the shape
 of the orthogonalized matrix matters here, not its overall scale.
 """
@@ -44,33 +44,22 @@ def coefficient_schedule(table: str, steps: int) -> Coefficients:
 def newton_schulz(
     u: Float[Array, "*matrices rows cols"],  # noqa: F722 (jaxtyping shape string)
     coefficients: Coefficients,
-    operand_dtype: jnp.dtype = jnp.float32,
 ) -> Float[Array, "*matrices rows cols"]:  # noqa: F722
     """Orthogonalize each matrix in the last two axes (leading axes: layers, experts, shared experts).
 
     Works on the wide orientation (transposed when rows > cols) so A = XX^T is the smaller Gram matrix.
-    Runs in fp32; matmul precision is the backend default (Muon tolerates TF32/bf16 products). With
-    `operand_dtype` bfloat16 the three matmuls of each iteration read bf16 operands and accumulate in fp32
-    while X and the update stay fp32 (Muon's reference runs the whole iteration in bf16): Newton-Schulz is
-    the largest single cost of a small step on CPU, and bf16 matmuls run ~2x the f32 rate there.
+    Runs in fp32; matmul precision is the backend default (Muon tolerates TF32/bf16 products).
     """
     x = u.astype(jnp.float32)
     x = x / (frobenius_norm(x, (-2, -1)) + 1e-8)
     transposed = x.shape[-2] > x.shape[-1]
     if transposed:
         x = jnp.swapaxes(x, -1, -2)
-    low = jnp.dtype(operand_dtype) != jnp.float32
 
     def iteration(x, abc):
         a, b, c = abc[0], abc[1], abc[2]
-        if not low:
-            gram = x @ jnp.swapaxes(x, -1, -2)
-            return a * x + (b * gram + c * (gram @ gram)) @ x, None
-        xl = x.astype(operand_dtype)
-        gram = jnp.matmul(xl, jnp.swapaxes(xl, -1, -2), preferred_element_type=jnp.float32)
-        gl = gram.astype(operand_dtype)
-        update = b * gram + c * jnp.matmul(gl, gl, preferred_element_type=jnp.float32)
-        return a * x + jnp.matmul(update.astype(operand_dtype), xl, preferred_element_type=jnp.float32), None
+        gram = x @ jnp.swapaxes(x, -1, -2)
+        return a * x + (b * gram + c * (gram @ gram)) @ x, None
 
     # A scan over the table, not a Python loop: one compiled body per leaf instead of five.
     x, _ = jax.lax.scan(iteration, x, jnp.asarray(coefficients, jnp.float32))
@@ -83,9 +72,7 @@ class MuonState(NamedTuple):
     momentum: optax.Updates  # fp32, shaped (and sharded) like the parameters
 
 
-def scale_by_muon(
-    momentum: float, coefficients: Coefficients, operand_dtype: jnp.dtype = jnp.float32
-) -> optax.GradientTransformation:
+def scale_by_muon(momentum: float, coefficients: Coefficients) -> optax.GradientTransformation:
     """Gradients -> orthogonalized Nesterov momentum, per matrix in each leaf's last two axes."""
 
     def init(params: optax.Params) -> MuonState:
@@ -95,9 +82,7 @@ def scale_by_muon(
         del params
         new_momentum = jax.tree.map(lambda m, g: momentum * m + g.astype(jnp.float32), state.momentum, updates)
         direction = jax.tree.map(
-            lambda m, g: newton_schulz(momentum * m + g.astype(jnp.float32), coefficients, operand_dtype),
-            new_momentum,
-            updates,
+            lambda m, g: newton_schulz(momentum * m + g.astype(jnp.float32), coefficients), new_momentum, updates
         )
         return direction, MuonState(new_momentum)
 

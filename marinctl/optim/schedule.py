@@ -1,4 +1,4 @@
-"""The LR schedule of SPEC 5 as an optax schedule: warmup from 0, then linear decay to 5% of peak.
+"""The LR schedule of docs/recipe.md §5 as an optax schedule: warmup from 0, then linear decay to 5% of peak.
 
 It must equal `marinctl.hparams.lr_multiplier` (the plain-Python reference the planner uses) at
 every step; tests compare the two at step 0, the end of warmup, mid-decay and the last step.
@@ -25,5 +25,5 @@ def lr_schedule(hp: HyperParams, peak: float) -> optax.Schedule:
 
 
 def weight_decay_schedule(hp: HyperParams, strength: float) -> optax.Schedule:
-    """Decoupled weight decay `strength` annealed linearly to 0 at the last step (SPEC 5)."""
+    """Decoupled weight decay `strength` annealed linearly to 0 at the last step (docs/recipe.md §5)."""
     return optax.linear_schedule(strength, 0.0, max(hp.steps - 1, 1))

@@ -1,1 +1,1 @@
-"""Routing and expert parallelism: quantile balancing, meshes, transports (SPEC 3-4)."""
+"""Routing and expert parallelism: quantile balancing, meshes, transports (docs/recipe.md §3-4)."""

@@ -1,4 +1,4 @@
-"""The device mesh and sharding rules (SPEC 4; issue 7): axes ("replica", "data", "expert").
+"""The device mesh and sharding rules (docs/recipe.md §4; issue 7): axes ("replica", "data", "expert").
 
 `expert` is innermost so the expert-parallel all-to-alls stay among neighbouring devices (the hero's
 64-way expert axis inside one GB200 NVL72 rack), `data` is FSDP inside a replica, and `replica` is plain

@@ -1,4 +1,4 @@
-"""Quantile balancing (SPEC 3): a router bias that makes every expert receive N·K/E assignments.
+"""Quantile balancing (docs/recipe.md §3): a router bias that makes every expert receive N·K/E assignments.
 
 Each step, per layer, the model computes routing margins `μ[t,e] = s[t,e] − α_t` (unbiased logit minus
 the biased (K+1)-th value, stop-gradient). An expert's quantile β_e is the margin above which exactly its
@@ -12,7 +12,7 @@ is split (`quantile_beta_sharded` proves it with explicit pmin/pmax/psum inside 
 global-view `quantile_beta` gets the same reductions from jit). `exact` sorts, for tests and ablations.
 
 The metrics helpers at the bottom turn the per-expert load into the numbers the trainer logs
-(SPEC 3, 10): routing entropy (ln E is perfectly uniform), max/mean load, and drop fraction.
+(docs/recipe.md §3, 10): routing entropy (ln E is perfectly uniform), max/mean load, and drop fraction.
 """
 
 # ruff: noqa: F722 (jaxtyping shape strings are not Python expressions)
@@ -29,7 +29,7 @@ from jaxtyping import Array, Bool, Float, Int
 Estimator = Literal["histogram", "exact"]
 AxisName = str | Sequence[str]
 
-_LIVE_RANGE_FLOOR = 1e-6  # SPEC 3.2: hi = max(max μ, lo + 1e-6) so an all-equal batch still has a width
+_LIVE_RANGE_FLOOR = 1e-6  # docs/recipe.md §3.2: hi = max(max μ, lo + 1e-6) so an all-equal batch still has a width
 
 
 def quantile_beta(
@@ -40,7 +40,7 @@ def quantile_beta(
     estimator: Estimator = "histogram",
     n_bins: int = 10000,
 ) -> Float[Array, " E"]:
-    """β_e: the margin above which expert e's fair share N_valid·K/E of valid tokens lie (SPEC 3).
+    """β_e: the margin above which expert e's fair share N_valid·K/E of valid tokens lie (docs/recipe.md §3).
 
     Global-view arrays: under jit on a mesh the min/max/sum reductions are global, so the result is the
     same for any device count. Padding tokens (`valid` False) neither count nor move the live range.
@@ -83,7 +83,7 @@ def quantile_beta_sharded(
 
 
 def router_bias(beta: Float[Array, "... E"]) -> Float[Array, "... E"]:
-    """Next step's router bias, replacing the old one: `b = −(β − mean_e β)` (SPEC 3.5). Works per layer."""
+    """Next step's router bias, replacing the old one: `b = −(β − mean_e β)` (docs/recipe.md §3.5). Works per layer."""
     return -(beta - jnp.mean(beta, axis=-1, keepdims=True))
 
 
@@ -93,7 +93,7 @@ def router_margins(
     top_k: int,
     variant: Literal["logit", "post_sigmoid"] = "logit",
 ) -> tuple[Float[Array, "T E"], Int[Array, "T K"]]:
-    """Selected experts and QB margins for one layer (SPEC 2 LatentMoE 1-2, SPEC 3.1), stop-gradient.
+    """Selected experts and QB margins for one layer (recipe §2.10 steps 1-2, recipe §3.1), stop-gradient.
 
     "logit" (the hero): select on `s + b`, α_t the (K+1)-th biased value, `μ = s − α`.
     "post_sigmoid" (DeepSeek-V3 / Kimi ablation): select on `sigmoid(s) + b`, `μ = sigmoid(s) − α`.
@@ -136,13 +136,13 @@ def _histogram_beta(
     margins = jax.lax.stop_gradient(margins).astype(jnp.float32)
     n_experts = margins.shape[1]
     v = valid[:, None]
-    # SPEC 3.2: the live range of this batch; no fixed bound on the logits is assumed.
+    # docs/recipe.md §3.2: the live range of this batch; no fixed bound on the logits is assumed.
     lo = reduce_min(jnp.min(jnp.where(v, margins, jnp.inf)))
     hi = reduce_max(jnp.max(jnp.where(v, margins, -jnp.inf)))
     lo = jnp.where(jnp.isfinite(lo), lo, 0.0)  # no valid token anywhere: any finite β will do
     hi = jnp.maximum(jnp.where(jnp.isfinite(hi), hi, 0.0), lo + _LIVE_RANGE_FLOOR)
     width = (hi - lo) / n_bins
-    # SPEC 3.3: one histogram row per expert, integer counts so psum over shards is exact.
+    # docs/recipe.md §3.3: one histogram row per expert, integer counts so psum over shards is exact.
     bins = jnp.clip(jnp.floor((margins - lo) / width), 0, n_bins - 1).astype(jnp.int32)
     flat = jnp.arange(n_experts, dtype=jnp.int32)[None, :] * n_bins + bins
     count = jax.ops.segment_sum(
@@ -152,7 +152,7 @@ def _histogram_beta(
     ).reshape(n_experts, n_bins)
     count = reduce_sum(count)
     n_valid = reduce_sum(jnp.sum(valid.astype(jnp.int32)))
-    # SPEC 3.4: cum[e,b] = #margins in bins >= b; b* is the last bin still holding the fair share.
+    # docs/recipe.md §3.4: cum[e,b] = #margins in bins >= b; b* is the last bin still holding the fair share.
     share, excess = _fair_share(n_valid, top_k, n_experts)
     cum = jnp.flip(jnp.cumsum(jnp.flip(count, axis=1), axis=1), axis=1)
     b_star = jnp.clip(jnp.sum(cum >= share, axis=1) - 1, 0, n_bins - 1)
@@ -178,7 +178,7 @@ def _exact_beta(margins: Float[Array, "T E"], valid: Bool[Array, " T"], top_k: i
 
 
 # --------------------------------------------------------------------------------------------------
-# Metrics (SPEC 3, 10): what the trainer logs per layer. Inputs are the transports' global stats.
+# Metrics (docs/recipe.md §3, 10): what the trainer logs per layer. Inputs are the transports' global stats.
 
 
 def routing_entropy(expert_load: Float[Array, "... E"]) -> Float[Array, "..."]:

@@ -1,4 +1,4 @@
-"""Expert-parallel transports (SPEC 4): one routing result, interchangeable ways to compute it.
+"""Expert-parallel transports (docs/recipe.md §4): one routing result, interchangeable ways to compute it.
 
 Every transport has the same signature (the "grug" template: plain functions chosen by `moe.transport`):
 
@@ -148,7 +148,7 @@ def _expert_parallel(body: Body) -> Transport:
 
 def _rank_within_group(keys: Int[Array, " N"], n_groups: int) -> Int[Array, " N"]:
     """How many earlier elements share each element's key (keys in [0, n_groups)): a stable sort, so
-    earlier tokens win every capacity contest (SPEC 4)."""
+    earlier tokens win every capacity contest (docs/recipe.md §4)."""
     order = jnp.argsort(keys, stable=True)
     counts = jnp.bincount(keys, length=n_groups)
     starts = jnp.cumsum(counts) - counts
@@ -157,7 +157,7 @@ def _rank_within_group(keys: Int[Array, " N"], n_groups: int) -> Int[Array, " N"
 
 
 def _local_experts(x: Float[Array, "E_loc N l"], w_gate, w_up, w_down) -> Float[Array, "E_loc N l"]:
-    """SwiGLU of each local expert over its rows (SPEC 2 LatentMoE 5). No biases, so an empty (zero) buffer
+    """SwiGLU of each local expert over its rows (docs/recipe.md §2.10 step 5). No biases, so an empty (zero) buffer
     row comes out zero and needs no mask before the matmul."""
     hidden = jax.nn.silu(jnp.einsum("enl,eli->eni", x, w_gate)) * jnp.einsum("enl,eli->eni", x, w_up)
     return jnp.einsum("eni,eil->enl", hidden, w_down)
@@ -195,7 +195,7 @@ def _capacity(moe: MoEConfig, tokens_per_shard: int, expert_shards: int) -> Capa
 
 
 # --------------------------------------------------------------------------------------------------
-# fixed: fixed-capacity all-to-all (SPEC 4)
+# fixed: fixed-capacity all-to-all (docs/recipe.md §4)
 
 
 @_expert_parallel
@@ -225,7 +225,7 @@ def fixed(u, expert_idx, combine, valid, w_gate, w_up, w_down, *, moe: MoEConfig
 
 
 # --------------------------------------------------------------------------------------------------
-# pooled: pooled waves (SPEC 4), the hero's transport before the switch to ragged
+# pooled: pooled waves (docs/recipe.md §4), the hero's transport before the switch to ragged
 
 
 @_expert_parallel
@@ -275,7 +275,7 @@ def pooled(u, expert_idx, combine, valid, w_gate, w_up, w_down, *, moe: MoEConfi
 
 
 # --------------------------------------------------------------------------------------------------
-# ragged: dropless (SPEC 4), the hero's transport after the switch
+# ragged: dropless (docs/recipe.md §4), the hero's transport after the switch
 
 
 def _ragged_all_to_all_emulated(
@@ -370,8 +370,8 @@ def _ragged_body(u, expert_idx, combine, valid, w_gate, w_up, w_down, *, moe: Mo
 # --------------------------------------------------------------------------------------------------
 # grouped: the CPU's dropless path. XLA:CPU has no ragged collective, and `jax.lax.ragged_dot` lowers
 # there to a dense product over every group (each row costs G rows), so on CPU the rows are laid out in
-# tiles of `block` rows, each tile holding one expert's rows, and the experts run as batched matmuls over
-# tiles: every computed row is an assigned row or the padding of its expert's last tile.
+# tiles of `block` rows, each tile holding one expert's rows, and a loop runs the tiles that hold rows:
+# every computed row is an assigned row or the padding of its expert's last tile.
 
 
 def _take(x, index, fill: int = 0):
@@ -442,9 +442,9 @@ def _max_tiles(rows: int, n_groups: int, block: int) -> int:
     return max(1, (rows + n_groups * (block - 1)) // block)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=())
+@jax.custom_vjp
 def _tiled_swiglu(x: Float[Array, "n b l"], tile_group: Int[Array, " n"], used: Int[Array, ""], w_gate, w_up, w_down):
-    """SwiGLU of each tile's expert over its rows (SPEC 2 LatentMoE 5), tiles `used` and later skipped.
+    """SwiGLU of each tile's expert over its rows (docs/recipe.md §2.10 step 5); tiles from `used` on are skipped.
 
     A loop over tiles that reads its expert's matrices in place: a batched matmul would first copy every
     tile's [l, I] matrices (more bytes than the rows), and autodiff of the loop would add a whole [E, l, I]
@@ -617,7 +617,8 @@ def ragged_transport(exchange: str | None = None) -> Transport:
     - "native": `jax.lax.ragged_all_to_all` + `jax.lax.ragged_dot` (GPU/TPU; lowered in CPU tests);
     - "emulated": the same body with the exchange emulated by a dense all_to_all: the CPU check of the
       native path's offsets (slow: CPU `ragged_dot` costs every group for every row);
-    - "grouped": sorted tiles and batched matmuls, no exchange with one expert shard (`_grouped_body`).
+    - "grouped": the CPU's: sorted rows in per-expert tiles, a loop over the tiles that hold rows, no
+      exchange with one expert shard (`_grouped_body`).
     `None` picks by backend: "native" on GPU/TPU, "grouped" elsewhere. All give identical results.
     """
     if exchange is not None and exchange not in EXCHANGES:

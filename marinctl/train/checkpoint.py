@@ -311,7 +311,8 @@ def _quiet_disk_full_threads() -> None:
     previous = threading.excepthook
     if getattr(previous, "_marinctl_disk_full", False):
         return
-    logging.getLogger("asyncio").addFilter(_drop_disk_full_records)  # "exception was never retrieved"
+    for name in ("asyncio", "absl"):  # "exception was never retrieved"; orbax's "_SignalingThread.run() raised"
+        logging.getLogger(name).addFilter(_drop_disk_full_records)
 
     def hook(args: threading.ExceptHookArgs) -> None:
         if args.exc_value is not None and Checkpoints._is_disk_full(args.exc_value):
@@ -325,7 +326,9 @@ def _quiet_disk_full_threads() -> None:
 
 def _drop_disk_full_records(record: logging.LogRecord) -> bool:
     err = record.exc_info[1] if record.exc_info else None
-    return err is None or not Checkpoints._is_disk_full(err)
+    if err is not None:
+        return not Checkpoints._is_disk_full(err)
+    return "No space left on device" not in record.getMessage()
 
 
 def _bytes(n: float) -> str:

@@ -117,8 +117,13 @@ def initialize(config: DistributedConfig | None) -> None:
         config.coordinator,
         config.source,
     )
+    # A process that dies (SIGKILL, OOM, a lost node) stops heartbeating; after this many seconds the
+    # coordination service fails the job and every survivor exits non-zero instead of waiting forever in a
+    # collective. JAX's default is 100 s; MARINCTL_HEARTBEAT_TIMEOUT_S overrides it (the fault tests use 10).
+    heartbeat = _int_env(os.environ, "MARINCTL_HEARTBEAT_TIMEOUT_S") or 100
     jax.distributed.initialize(
         coordinator_address=config.coordinator,
         num_processes=config.num_processes,
         process_id=config.process_id,
+        heartbeat_timeout_seconds=heartbeat,
     )

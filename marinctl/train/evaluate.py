@@ -1,10 +1,10 @@
-"""In-loop evaluation (SPEC 6): dropless loss per eval source, bits per byte, and the macro loss.
+"""In-loop evaluation (docs/recipe.md §6): dropless loss per eval source, bits per byte, and the macro loss.
 
 Dropless means every routed assignment is computed, whatever the training transport drops: the model
 is re-assembled around the same arrays with the `dense` transport (the reference every transport is
 tested against). For hero-sized experts `dense` would materialize every token through every expert
 (the [tokens, E, I] intermediate below), so past `DENSE_EVAL_BYTES` per device evaluation uses `ragged`,
-which is dropless too and equals `dense` (SPEC 4). The macro loss is the unweighted mean over eval
+which is dropless too and equals `dense` (docs/recipe.md §4). The macro loss is the unweighted mean over eval
 sources of each source's mean per-token loss (nats).
 
 The context is the given recipe's `train.seq_len`: after a context extension (docs/recipe.md §8) the

@@ -21,7 +21,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,8 @@ class Preemption:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> Preemption:
+        if _EARLY_STOP.is_set():  # SIGTERM/SIGUSR1 arrived during start-up (compile, restore): stop at once
+            self.flag.set()
         if threading.current_thread() is threading.main_thread():  # handlers only install there
             for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -107,6 +110,18 @@ class Preemption:
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+_EARLY_STOP = threading.Event()
+
+
+def _early_stop(signum: int, frame: Any) -> None:
+    """Until the loop's own handlers are in place (start-up can take minutes), a preemption signal is kept
+    for the loop rather than killing the process by the default action: SLURM's `--signal=USR1@N` often
+    arrives while a requeued job is still compiling or restoring."""
+    name = signal.Signals(signum).name
+    log.warning("received %s during start-up: will checkpoint after the first step and exit 3", name)
+    _EARLY_STOP.set()
 
 
 def configure_jax() -> None:
@@ -177,7 +192,11 @@ def run(recipe: Recipe, options: RunOptions) -> RunSummary:
     # One trainer per run dir, taken before anything else so a second one is refused at once; process 0
     # holds it for a multi-process run (the run dir is shared).
     main_process = options.distributed is None or options.distributed.process_id == 0
-    with RunLock(options.run_dir) if main_process else nullcontext():
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        _EARLY_STOP.clear()
+        previous = {sig: signal.signal(sig, _early_stop) for sig in Preemption.SIGNALS}
+    with RunLock(options.run_dir) if main_process else nullcontext(), _restore_handlers(previous):
         distributed.initialize(options.distributed)  # before anything else touches the devices
         configure_jax()
         import jax
@@ -198,6 +217,15 @@ def run(recipe: Recipe, options: RunOptions) -> RunSummary:
         job = _Run(recipe, options, devices, sizes, process_index, process_count, wall_start)
         job.saved_recipe = given  # RUN_DIR/recipe.toml keeps the recipe as given; recorded changes stay apart
         return job.execute()
+
+
+@contextmanager
+def _restore_handlers(previous: dict) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class _Run:

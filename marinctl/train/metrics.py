@@ -6,7 +6,7 @@ grad_norm, tokens_per_s, tflops_per_device, mfu, drop_frac, routing_entropy` (pl
 every `log.norms_every` steps, `param_norm/<path>` and `grad_norm/<group>`); eval records carry `step,
 macro_loss, loss/<source>, bpb/<source>`. Only process 0 writes.
 
-FLOP convention (stated in every run's header): SPEC §7 — forward FLOPs per token with full-square
+FLOP convention (stated in every run's header): docs/recipe.md §7 — forward FLOPs per token with full-square
 attention and the lm_head included, times 3 for training (`marinctl.counting.flops_per_token`). On a CPU
 the peak is a matmul measured at start-up on the same devices; on a GPU, the dense bf16 datasheet peak.
 """
@@ -27,7 +27,7 @@ from marinctl.recipe import LogConfig
 
 log = logging.getLogger(__name__)
 
-FLOP_CONVENTION = "SPEC §7: 3 x forward FLOPs/token (full-square attention, lm_head included)"
+FLOP_CONVENTION = "docs/recipe.md §7: 3 x forward FLOPs/token (full-square attention, lm_head included)"
 
 # Dense bf16 peak FLOP/s per device, by substring of `device_kind` (datasheets, without sparsity).
 GPU_PEAK_BF16 = {"GB200": 2.5e15, "B200": 2.25e15, "H200": 989e12, "H100": 989e12, "A100": 312e12}
@@ -200,7 +200,7 @@ def device_peak_flops(devices: list[Any]) -> tuple[float, str]:
 
 
 def throughput(tokens: int, seconds: float, flops_per_token: float, n_devices: int, peak: float) -> dict[str, float]:
-    """tokens/s, model TFLOP/s per device and MFU for `tokens` trained in `seconds` (SPEC §7 convention)."""
+    """tokens/s, model TFLOP/s per device and MFU for `tokens` trained in `seconds` (docs/recipe.md §7 convention)."""
     tokens_per_s = tokens / max(seconds, 1e-9)
     per_device = 3.0 * flops_per_token * tokens_per_s / n_devices
     return {"tokens_per_s": tokens_per_s, "tflops_per_device": per_device / 1e12, "mfu": per_device / peak}

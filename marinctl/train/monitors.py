@@ -1,4 +1,4 @@
-"""Health monitors: the failures the public run found by eye (SPEC §10), caught by the trainer instead.
+"""Health monitors: the failures the public run found by eye (docs/recipe.md §10), caught by the trainer instead.
 
 Each check is a pure function over host-side numbers (norms the step already computes); `HealthMonitor`
 keeps the little history they need (initial hyperball norms, the previous step's norms, a window of

@@ -1,6 +1,6 @@
 """The train state: everything a run needs to continue bitwise-identically after a restart.
 
-model (fp32 master weights), optimizer state, the QB router bias (SPEC 3: replaced every step, not a
+model (fp32 master weights), optimizer state, the QB router bias (docs/recipe.md §3: replaced every step, not a
 parameter), the step (= the data position: the loader's batch is a pure function of (seed, step)), the
 root RNG key and the count of skipped non-finite steps. All leaves are arrays, so the whole state is
 sharded, donated and checkpointed as one pytree.
@@ -53,7 +53,7 @@ def init_state(recipe: Recipe, optimizer: optax.GradientTransformation) -> Train
     return TrainState(
         model=model,
         opt_state=optimizer.init(model),
-        router_bias=jnp.zeros((L, E), jnp.float32),  # b = 0 until the first QB estimate (SPEC 3.5)
+        router_bias=jnp.zeros((L, E), jnp.float32),  # b = 0 until the first QB estimate (docs/recipe.md §3.5)
         step=jnp.zeros((), jnp.int32),
         rng=jax.random.key_data(jax.random.fold_in(model_key(recipe), 1)),
         nonfinite_skipped=jnp.zeros((), jnp.int32),

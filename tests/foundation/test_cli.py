@@ -1,4 +1,4 @@
-"""The CLI: stage discovery, `plan` figures against SPEC §1, one-line user errors with exit 2."""
+"""The CLI: stage discovery, `plan` figures against docs/recipe.md §1, one-line user errors with exit 2."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Attention against a naive per-query masked-softmax loop in numpy (SPEC 2 attention, steps 1–8)."""
+"""Attention against a naive per-query masked-softmax loop in numpy (docs/recipe.md §2 attention, steps 1–8)."""
 
 import dataclasses
 

@@ -1,4 +1,4 @@
-"""The router and LatentMoE against naive per-token loops in numpy (SPEC 2 LatentMoE, SPEC 3.1)."""
+"""The router and LatentMoE against naive per-token loops in numpy (docs/recipe.md §2.10, docs/recipe.md §3.1)."""
 
 import dataclasses
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from marinctl.model.loss import model_loss
-from marinctl.model.transformer import REMAT_POLICIES, init_model
+from marinctl.model.transformer import init_model
 
 KEY = jax.random.key(0, impl="rbg")  # RBG keys compile faster on CPU (tests/model/test_transformer.py)
 B = 2
@@ -55,21 +55,17 @@ def _grad_fn(recipe, model, batch, bias, remat):
     return jax.value_and_grad(loss), params
 
 
-def test_offload_is_a_host_offloading_policy():
-    assert REMAT_POLICIES["full"] is None
-    assert "offload" in REMAT_POLICIES and REMAT_POLICIES["offload"] is not None
-
-
 def test_offload_gives_full_remats_loss_and_gradients(small_recipe, setup):
     out = {}
     for remat in ("full", "offload"):
         fn, params = _grad_fn(small_recipe, *setup, remat)
         loss, grads = jax.jit(fn)(params)
         out[remat] = (float(loss), jax.tree_util.tree_leaves(grads))
-    assert out["offload"][0] == pytest.approx(out["full"][0], rel=1e-6)
-    assert len(out["offload"][1]) == len(out["full"][1])
+    # Bit for bit: the offload only moves the saved block inputs (a copy each way), and on CPU (the tests'
+    # platform, tests/conftest.py) the placement lowers to nothing, so XLA compiles the same program.
+    assert out["offload"][0] == out["full"][0]
     for g, g_ref in zip(out["offload"][1], out["full"][1], strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-5, atol=1e-7)
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(g_ref))
     assert any(np.asarray(g).any() for g in out["offload"][1])
 
 

@@ -43,7 +43,7 @@ def test_model_tree_equals_the_parameter_table_leaf_for_leaf(tiny_recipe, varian
     recipe = VARIANTS[variant](tiny_recipe)
     params = abstract_params(recipe)
     table = param_table(recipe)
-    assert list(params) == list(table)  # same paths, same order (SPEC 2 order)
+    assert list(params) == list(table)  # same paths, same order (docs/recipe.md §2 order)
     for path, spec in table.items():
         assert params[path].shape == spec.shape, path
         assert params[path].dtype == jnp.float32, path

@@ -54,7 +54,7 @@ def numpy_newton_schulz(u: np.ndarray, coefficients) -> np.ndarray:
 
 
 def numpy_optimizer(recipe, params, grads) -> dict[str, np.ndarray]:
-    """SPEC 5 step by step in float64: Adam(+WD) / AdamH / MuonH, hyperball norms frozen at init."""
+    """docs/recipe.md §5 step by step in float64: Adam(+WD) / AdamH / MuonH, hyperball norms frozen at init."""
     hp, o = hyperparams(recipe), recipe.optimizer
     table = param_table(recipe)
     p = {k: np.asarray(v, np.float64) for k, v in params.items()}

@@ -1,4 +1,4 @@
-"""Parameter groups (marinctl/optim/groups.py): SPEC 5's table, leaf by leaf, and the norm / matrix scopes."""
+"""Parameter groups (marinctl/optim/groups.py): recipe §5's table, leaf by leaf, and the norm / matrix scopes."""
 
 import equinox as eqx
 import jax
@@ -17,7 +17,7 @@ from marinctl.optim.groups import (
 )
 from marinctl.params import param_table, tree_paths
 
-# Every leaf of the tiny model and its group, written out from SPEC 5's table (not from the code).
+# Every leaf of the tiny model and its group, written out from docs/recipe.md §5's table (not from the code).
 TINY_GROUPS = {
     "embed.weight": "adam",  # token embedding
     "embed_norm.gain": "adam",  # 1-D gains

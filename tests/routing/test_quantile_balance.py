@@ -1,4 +1,4 @@
-"""Quantile balancing (SPEC 3) against numpy oracles; device-count independence; convergence."""
+"""Quantile balancing (docs/recipe.md §3) against numpy oracles; device-count independence; convergence."""
 
 import math
 
@@ -39,7 +39,7 @@ def numpy_exact(margins, valid, top_k):
 
 
 def numpy_histogram(margins, valid, top_k, n_bins):
-    """SPEC 3 steps 2-4, transcribed literally in float64."""
+    """docs/recipe.md §3 steps 2-4, transcribed literally in float64."""
     m = margins[valid].astype(np.float64)
     lo = m.min()
     hi = max(m.max(), lo + 1e-6)
@@ -128,7 +128,7 @@ def test_quantile_balancing_brings_a_skewed_router_to_uniform_load_and_cuts_drop
     rng = np.random.default_rng(6)
     router = jnp.asarray(rng.normal(size=(hidden, E)) / math.sqrt(hidden), jnp.float32)
     skew = jnp.linspace(0.0, 3.0, E)
-    cap = math.ceil(cf * tokens * K / E)  # the fixed transport's cell on one shard (SPEC 4)
+    cap = math.ceil(cf * tokens * K / E)  # the fixed transport's cell on one shard (docs/recipe.md §4)
 
     def step(bias, key, update: bool):
         x_key, v_key = jax.random.split(key)

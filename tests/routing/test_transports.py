@@ -1,4 +1,4 @@
-"""Transports (SPEC 4) on 8 simulated CPU devices, against plain-numpy oracles of the same rules."""
+"""Transports (docs/recipe.md §4) on 8 simulated CPU devices, against plain-numpy oracles of the same rules."""
 
 import contextlib
 import dataclasses
@@ -138,7 +138,7 @@ def test_transport_equals_dense_in_forward_and_gradients_when_nothing_drops(name
 
 
 # --------------------------------------------------------------------------------------------------
-# Tight capacity: drop counts against an independent numpy transcription of SPEC 4's rules.
+# Tight capacity: drop counts against an independent numpy transcription of docs/recipe.md §4's rules.
 
 
 def shard_blocks(mesh_shape):
@@ -268,7 +268,9 @@ def test_bounded_ragged_buffer_drops_exactly_the_overflow_rows(skewed, exchange)
 
 
 @pytest.mark.parametrize(
-    "mesh_shape", [None, (1, 2, 4), (2, 1, 4)], ids=lambda s: "no-mesh" if s is None else "x".join(map(str, s))
+    "mesh_shape",
+    [None, (1, 2, 4), pytest.param((2, 1, 4), marks=pytest.mark.slow)],
+    ids=lambda s: "no-mesh" if s is None else "x".join(map(str, s)),
 )
 def test_emulated_exchange_of_the_native_body_still_equals_dense(mesh_shape, uniform, dense_reference):
     """The GPU body (offsets, regrouping, drop rule) runs on CPU with the dense-emulated exchange."""
@@ -291,10 +293,18 @@ def lopsided(seed: int):
     return x
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 1, 4), (1, 8, 1)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mesh_shape", [(2, 1, 4)], ids=lambda s: "x".join(map(str, s)))
 def test_grouped_ragged_equals_dense_in_every_exchange_branch(mesh_shape):
     x = lopsided(3)
     moe = MoEConfig(num_experts=E, top_k=K)
+    blocks, block, S = shard_blocks(mesh_shape)
+    fullest = {}  # expert group -> its largest slice, which picks the group's static chunk size
+    for group, _, tokens in blocks:
+        e = x["expert_idx"][list(tokens)][x["valid"][list(tokens)]]
+        fullest[group] = max(fullest.get(group, 0), *np.bincount(e.ravel() // (E // S), minlength=S))
+    sizes = _chunk_sizes(block * K / S, block * min(K, E // S))
+    branches = {g: int(np.sum(np.asarray(sizes[:-1]) < f)) for g, f in fullest.items()}
+    assert branches[0] == 0 and branches[1] == len(sizes) - 1  # smallest and largest chunk, one step
     y_ref, stats_ref, grads_ref = run("dense", x, moe)
     y, stats, grads = run("ragged", x, moe, mesh_shape, ragged_transport("grouped"))
     np.testing.assert_allclose(y, y_ref, atol=1e-5)
@@ -358,16 +368,20 @@ def test_tiled_swiglu_equals_per_row_experts_and_skips_tiles_past_used():
         h = jax.nn.silu(jnp.einsum("nl,nli->ni", rows, wg[e])) * jnp.einsum("nl,nli->ni", rows, wu[e])
         return jnp.where(placed[:, None], jnp.einsum("ni,nil->nl", h, wd[e]), 0)
 
-    np.testing.assert_allclose(tiled(rows, *w), per_row(rows, *w), atol=1e-5)
-    grads = jax.grad(lambda *a: jnp.sum(tiled(*a) * probe), argnums=(0, 1, 2, 3))(rows, *w)
-    want = jax.grad(lambda *a: jnp.sum(per_row(*a) * probe), argnums=(0, 1, 2, 3))(rows, *w)
+    def value_and_grads(fn, used_tiles=None):
+        args = {} if used_tiles is None else {"used": used_tiles}
+        loss = lambda *a: jnp.sum(fn(*a, **args) * probe)  # noqa: E731
+        return jax.jit(lambda *a: (fn(*a, **args), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(rows, *w)
+
+    (y, grads), (y_ref, want) = value_and_grads(tiled), value_and_grads(per_row)
+    np.testing.assert_allclose(y, y_ref, atol=1e-5)
     for got, ref in zip(grads, want, strict=True):
         np.testing.assert_allclose(got, ref, atol=1e-5)
     # A tile past `used` is skipped even when it holds rows: its rows' outputs and gradients are zero.
     last = np.asarray(slot) // block == int(used) - 1
-    cut = lambda r: jnp.sum(tiled(r, *w, used=used - 1) * probe)  # noqa: E731
-    assert last.any() and np.all(np.asarray(tiled(rows, *w, used=used - 1))[last] == 0)
-    assert np.all(np.asarray(jax.grad(cut)(rows))[last] == 0)
+    y_cut, grads_cut = value_and_grads(tiled, used - 1)
+    assert last.any() and np.all(np.asarray(y_cut)[last] == 0) and np.all(np.asarray(grads_cut[0])[last] == 0)
+    np.testing.assert_allclose(np.asarray(y_cut)[~last], np.asarray(y)[~last], atol=1e-6)
 
 
 def test_cpu_ragged_program_has_no_ragged_dot():
@@ -451,7 +465,7 @@ def test_tokens_that_do_not_split_over_the_mesh_are_a_user_error(uniform):
 
 
 def test_hero_buffers_come_from_the_shared_capacity_formula(hero_recipe):
-    """SPEC 4's hero figures (T = 65,536, S = 64): P = 3,141 and R = 33,497; the ragged worst case is
+    """docs/recipe.md §4's hero figures (T = 65,536, S = 64): P = 3,141 and R = 33,497; the ragged worst case is
     S·T·min(K, E_loc) rows, which a bounded `ragged_buffer_factor` caps at f·T·K."""
     moe = hero_recipe.moe
     cap = _capacity(moe, 65536, 64)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from marinctl.cli import run
-from marinctl.counting import ACTIVATION_PARTS, STATE_PARTS, memory_estimate
+from marinctl.counting import ACTIVATION_PARTS, HOST_PARTS, STATE_PARTS, memory_estimate
 from marinctl.params import recipe_device_count, resolve_mesh_shape
 from marinctl.recipe import load_recipe
 
@@ -100,7 +100,8 @@ def test_dry_run_reports_every_component_and_sums_them(capsys):
     assert run(["train", HERO, "--dry-run", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     per_device, est = report["per_device_bytes"], report["planner_estimate"]
-    assert list(est["parts"]) == [*STATE_PARTS, *ACTIVATION_PARTS]
+    assert list(est["parts"]) == [*STATE_PARTS, *ACTIVATION_PARTS] and list(est["host"]) == list(HOST_PARTS)
+    assert est["host_total"] == sum(report["host_bytes_per_device"].values())  # beside the total, not in it
     assert per_device["total"] == sum(v for k, v in per_device.items() if k != "total")
     assert est["total"] == sum(est["parts"].values())
     assert est["phases"][est["peak_phase"]] == max(est["phases"].values())
@@ -110,6 +111,7 @@ def test_dry_run_reports_every_component_and_sums_them(capsys):
     assert run(["train", HERO, "--dry-run"]) == 0
     out = capsys.readouterr().err  # human output goes to stderr
     assert "remat saves" in out and "moe transport" in out and "peak in the backward phase" in out
+    assert "remat saves (pinned host)" in out
 
 
 def test_the_hero_plan_is_bf16_with_block_inputs_offloaded_to_the_host():

@@ -1,4 +1,4 @@
-"""Health monitors (SPEC §10) as pure functions over norms, and their history across a resume."""
+"""Health monitors (docs/recipe.md §10) as pure functions over norms, and their history across a resume."""
 
 import json
 
