@@ -225,10 +225,6 @@ def _numpy_dtype(name: str) -> np.dtype:
 # --------------------------------------------------------------------------------------------------
 # Inference from a checkpoint or an export: always dropless.
 
-# Past this many bytes of the dense transport's [tokens, E, I] fp32 intermediate per forward, inference
-# routes with `ragged` (dropless with its default worst-case buffer) instead of `dense`.
-INFERENCE_DENSE_BYTES = 1 << 30
-
 
 def inference_recipe(recipe: Recipe, tokens_per_call: int) -> Recipe:
     """`recipe` with a dropless transport for forwards of `tokens_per_call` tokens.
@@ -240,10 +236,10 @@ def inference_recipe(recipe: Recipe, tokens_per_call: int) -> Recipe:
     """
     import dataclasses
 
-    moe = recipe.moe
-    dense_bytes = tokens_per_call * moe.num_experts * moe.expert_width * 4
-    transport = "dense" if dense_bytes <= INFERENCE_DENSE_BYTES else "ragged"
-    return recipe.replace(moe=dataclasses.replace(moe, transport=transport, ragged_buffer_factor=None))
+    from marinctl.train.evaluate import dropless_transport
+
+    transport = dropless_transport(recipe, tokens_per_call)
+    return recipe.replace(moe=dataclasses.replace(recipe.moe, transport=transport, ragged_buffer_factor=None))
 
 
 def inference_model(recipe: Recipe, params: Mapping[str, Any], tokens_per_call: int = 4096):

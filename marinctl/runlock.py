@@ -37,8 +37,10 @@ class RunLock:
         self.path = Path(run_dir) / LOCK_FILE
         self.what = what
         self._fd: int | None = None
+        self._made_dir = False
 
     def acquire(self) -> RunLock:
+        self._made_dir = not self.path.parent.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -71,6 +73,10 @@ class RunLock:
         finally:
             os.close(self._fd)  # closing drops the flock
             self._fd = None
+        if self._made_dir and [p.name for p in self.path.parent.iterdir()] == [LOCK_FILE]:
+            # A start refused before writing anything (bad mesh, memory) leaves no half-made run dir behind.
+            self.path.unlink(missing_ok=True)
+            self.path.parent.rmdir()
 
     def __enter__(self) -> RunLock:
         return self.acquire()

@@ -30,12 +30,16 @@ from marinctl.train.step import Batch, device_batch
 DENSE_EVAL_BYTES = 1 << 30
 
 
-def eval_transport(recipe: Recipe, n_devices: int) -> str:
-    """`dense` unless its per-device [tokens, E, I] fp32 intermediate would pass DENSE_EVAL_BYTES."""
-    moe = recipe.moe
-    tokens = (recipe.eval.batch_size or recipe.train.batch_size) * recipe.train.seq_len // n_devices
-    dense_bytes = tokens * moe.num_experts * moe.expert_width * 4
+def dropless_transport(recipe: Recipe, tokens: int) -> str:
+    """The dropless transport for a forward of `tokens` tokens per device: `dense` unless its [tokens, E, I]
+    fp32 intermediate would pass DENSE_EVAL_BYTES, else `ragged` (evaluation and inference share this rule)."""
+    dense_bytes = tokens * recipe.moe.num_experts * recipe.moe.expert_width * 4
     return "dense" if dense_bytes <= DENSE_EVAL_BYTES else "ragged"
+
+
+def eval_transport(recipe: Recipe, n_devices: int) -> str:
+    tokens = (recipe.eval.batch_size or recipe.train.batch_size) * recipe.train.seq_len // n_devices
+    return dropless_transport(recipe, tokens)
 
 
 def dropless_recipe(recipe: Recipe, n_devices: int) -> Recipe:

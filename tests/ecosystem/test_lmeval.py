@@ -200,7 +200,7 @@ def test_a_run_without_a_checkpoint_is_named(eco_run, tmp_path, at_repo, capsys)
 
 def test_inference_is_dropless_whatever_the_training_transport(eco_run, monkeypatch):
     """The pooled transport drops on this batch and moves the logits; inference never does."""
-    import marinctl.export
+    import marinctl.train.evaluate
     from marinctl.export import inference_model
     from marinctl.model.transformer import build_model
 
@@ -216,7 +216,7 @@ def test_inference_is_dropless_whatever_the_training_transport(eco_run, monkeypa
     model, used = inference_model(recipe, jparams, tokens.size)
     assert used.moe.transport == "dense"
     np.testing.assert_array_equal(np.asarray(model(tokens, segs, jnp.asarray(bias))[0]), want)
-    monkeypatch.setattr(marinctl.export, "INFERENCE_DENSE_BYTES", 1)  # as for hero-sized experts
+    monkeypatch.setattr(marinctl.train.evaluate, "DENSE_EVAL_BYTES", 1)  # as for hero-sized experts
     model, used = inference_model(recipe, jparams, tokens.size)
     assert used.moe.transport == "ragged" and used.moe.ragged_buffer_factor is None
     ragged = eqx.filter_jit(lambda model, tokens, segs, bias: model(tokens, segs, bias)[0])

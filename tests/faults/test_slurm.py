@@ -158,9 +158,9 @@ def test_scontrol_requeue_mid_run_resumes_and_matches_the_uninterrupted_run(h, c
     assert int(info["Restarts"]) == 1, info
     out = (cluster.root / f"{job}.out").read_text()
     assert '"exit_reason": "done"' in out, out[-3000:]
-    # The SIGTERM of the requeue made the trainer checkpoint at the step it was on (not one of every 4): srun's
-    # own forwarding of the first attempt's output dies with the job, the checkpoint is the evidence.
-    assert any(s % 4 for s in h.committed_steps(run_dir / "checkpoints")), h.committed_steps(run_dir / "checkpoints")
+    # Whether the requeue's SIGTERM produced an extra checkpoint depends on the step it lands on (a multiple of
+    # `checkpoint.every` coincides with a regular one), so it is not asserted here: SIGTERM -> checkpoint -> exit 3
+    # is proven by tests/train/test_loop.py and, under SLURM, by the time-limit test below.
     assert h.train_losses(run_dir) == reference["losses"]
     h.assert_bitwise_equal(h.final_state(run_dir / "checkpoints", h.STEPS), reference["state"])
     print(f"SLURM requeue test wall time {time.monotonic() - t0:.0f}s")
