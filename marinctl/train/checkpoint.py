@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -322,6 +323,16 @@ def _quiet_disk_full_threads() -> None:
 
     hook._marinctl_disk_full = True  # type: ignore[attr-defined]
     threading.excepthook = hook
+    previous_unraisable = sys.unraisablehook
+
+    def unraisable(args) -> None:
+        # Writer callbacks that complete after the failed save find its asyncio loop closed; nothing is lost.
+        if isinstance(args.exc_value, RuntimeError) and "Event loop is closed" in str(args.exc_value):
+            log.debug("background checkpoint writer after its loop closed: %s", args.exc_value)
+            return
+        previous_unraisable(args)
+
+    sys.unraisablehook = unraisable
 
 
 def _drop_disk_full_records(record: logging.LogRecord) -> bool:
