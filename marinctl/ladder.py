@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 from jaxtyping import Bool, Float
+from scipy.optimize import minimize_scalar
 
 from marinctl.counting import flops_per_token
 from marinctl.errors import UserError
@@ -264,6 +265,28 @@ def fit_power_law(
     return PowerLaw(A=float(np.exp(intercept)), alpha=float(-slope), E=irreducible), residual_rms
 
 
+def fit_irreducible(compute: Float[np.ndarray, " rungs"], loss: Float[np.ndarray, " rungs"]) -> float:
+    """E for `L = E + A·C^−α` fitted to the rungs: the E in [0, min L) whose power-law fit of log(L − E) (A and
+    α by least squares at that E) leaves the smallest squared error in log L. Needs three compute budgets
+    (three parameters). Where the rungs show no curvature in log-log the optimum sits at the bound E = 0,
+    a pure power law: data that cannot see the floor do not get one imposed on them."""
+    compute, loss = np.asarray(compute, np.float64), np.asarray(loss, np.float64)
+    if len(np.unique(compute)) < 3:
+        raise UserError(f"fitting E needs rungs at three or more compute budgets (got {len(np.unique(compute))})")
+
+    def error(E: float) -> float:
+        law, _ = fit_power_law(compute, loss, E)
+        return float(np.sum((np.log(loss) - np.log(law(compute))) ** 2))
+
+    upper = float(loss.min()) * (1 - 1e-6)
+    candidates = np.linspace(0.0, upper, 201)  # coarse scan (the error may have several minima), then refine
+    best = int(np.argmin([error(E) for E in candidates]))
+    lo, hi = candidates[max(best - 1, 0)], candidates[min(best + 1, len(candidates) - 1)]
+    refined = minimize_scalar(error, bounds=(lo, hi), method="bounded", options={"xatol": 1e-6})
+    E = float(refined.x) if refined.fun < error(candidates[best]) else float(candidates[best])
+    return 0.0 if E < 1e-4 else E
+
+
 @dataclass(frozen=True)
 class ProgressFit:
     """The fit at one progress g: the law over the rungs used, and the target's forecast."""
@@ -279,6 +302,7 @@ class ProgressFit:
 @dataclass(frozen=True)
 class LadderFit:
     irreducible: float
+    irreducible_fitted: bool  # E fitted to the rungs' final losses (fit_irreducible), not given
     target_compute: float
     grid: tuple[float, ...]
     curves: tuple[RungOnGrid, ...]  # ascending compute
@@ -310,11 +334,14 @@ def fit_ladder(
     rungs: list[Rung],
     target_compute: float,
     *,
-    irreducible: float = IRREDUCIBLE_LOSS,
+    irreducible: float | None = IRREDUCIBLE_LOSS,
     extend: bool = True,
     grid: tuple[float, ...] = PROGRESS_GRID,
 ) -> LadderFit:
-    """docs/recipe.md §9: at each g, fit the rungs that have a loss there and forecast `E + A_g · (g·C_target)^−α_g`."""
+    """docs/recipe.md §9: at each g, fit the rungs that have a loss there and forecast `E + A_g · (g·C_target)^−α_g`.
+
+    `irreducible=None` fits E once, to the rungs' losses at the last grid point (`fit_irreducible`), and holds
+    it for every g, so the per-g laws stay comparable."""
     if len(rungs) < 2:
         raise UserError(f"a ladder fit needs at least 2 rungs (got {len(rungs)})")
     names = [r.name for r in rungs]
@@ -327,6 +354,12 @@ def fit_ladder(
     if not target_compute > 0:
         raise UserError(f"target compute must be positive (got {target_compute:g})")
     curves = tuple(rung_on_grid(r, grid, extend=extend) for r in sorted(rungs, key=lambda r: r.compute))
+    fitted = irreducible is None
+    if irreducible is None:
+        last = [c for c in curves if np.isfinite(c.loss[-1])]
+        irreducible = fit_irreducible(
+            np.asarray([c.rung.compute for c in last]), np.asarray([c.loss[-1] for c in last])
+        )
     fits = []
     for i, g in enumerate(grid):
         used = [c for c in curves if np.isfinite(c.loss[i])]
@@ -344,7 +377,7 @@ def fit_ladder(
         compute = np.asarray([g * c.rung.compute for c in used])
         law, rms = fit_power_law(compute, np.asarray([c.loss[i] for c in used]), irreducible)
         fits.append(ProgressFit(g, law, target_g, float(law(target_g)), tuple(c.rung.name for c in used), rms))
-    return LadderFit(irreducible, target_compute, tuple(grid), curves, tuple(fits))
+    return LadderFit(irreducible, fitted, target_compute, tuple(grid), curves, tuple(fits))
 
 
 def compute_efficiency(law: PowerLaw, loss: float, compute: float) -> tuple[float, float]:

@@ -53,8 +53,29 @@ RunDirsArg = Annotated[
 ]
 TargetOpt = Annotated[Path, typer.Option("--target", help="Recipe of the run to forecast (e.g. recipes/hero.toml).")]
 IrreducibleOpt = Annotated[
-    float, typer.Option("--irreducible", min=0.0, help="E, the irreducible loss held fixed in the fit.")
+    str,
+    typer.Option(
+        "--irreducible",
+        metavar="E|fit",
+        help="E, the irreducible loss held fixed in the fit; 'fit' fits E to the rungs' final losses "
+        "(3+ rungs; bounded to [0, lowest loss)).",
+    ),
 ]
+
+
+def parse_irreducible(value: str) -> float | None:
+    """--irreducible: a number ≥ 0, or 'fit' (None: `fit_ladder` fits E)."""
+    if value.strip().lower() == "fit":
+        return None
+    try:
+        E = float(value)
+    except ValueError:
+        raise UserError(f"--irreducible: expected a number or 'fit' (got {value!r})") from None
+    if not (E >= 0 and np.isfinite(E)):
+        raise UserError(f"--irreducible: must be a finite number ≥ 0 (got {value})")
+    return E
+
+
 ExtendOpt = Annotated[
     bool,
     typer.Option(
@@ -116,6 +137,7 @@ def fit_summary(fit: LadderFit, target: dict[str, Any], run_dirs: dict[str, Path
         "forecast": fit.final.forecast,
         "target": target,
         "irreducible": fit.irreducible,
+        "irreducible_fitted": fit.irreducible_fitted,
         "final_law": {"A": fit.final.law.A, "alpha": fit.final.law.alpha, "E": fit.final.law.E},
         "per_progress": per_progress,
         "rungs": rungs,
@@ -125,7 +147,9 @@ def fit_summary(fit: LadderFit, target: dict[str, Any], run_dirs: dict[str, Path
 
 def render_fit(fit: LadderFit, target_name: str) -> Table:
     table = Table(
-        title=f"scaling ladder → {target_name} (E = {fit.irreducible:g}; * extrapolated)", header_style="bold"
+        title=f"scaling ladder → {target_name} (E = {fit.irreducible:.4g}{' fitted' * fit.irreducible_fitted}; "
+        "* extrapolated)",
+        header_style="bold",
     )
     for column in ("g", "A_g", "α_g", "forecast"):
         table.add_column(column, justify="right")
@@ -149,7 +173,7 @@ def render_fit(fit: LadderFit, target_name: str) -> Table:
 def fit(
     run_dirs: RunDirsArg,
     target: TargetOpt,
-    irreducible: IrreducibleOpt = IRREDUCIBLE_LOSS,
+    irreducible: IrreducibleOpt = str(IRREDUCIBLE_LOSS),
     extend: ExtendOpt = True,
     plot: PlotOpt = None,
     out_path: OutOpt = None,
@@ -160,6 +184,7 @@ def fit(
     """Fit log(L_g − E) = log A_g − α_g·log C_g at every 5% of progress over the rungs and forecast TARGET."""
     if len(run_dirs) < 2:
         raise UserError(f"ladder fit needs at least 2 rung run directories (got {len(run_dirs)})")
+    parse_irreducible(irreducible)
     target_recipe = load_recipe(target, overrides or ())
     summary, result = _fit(run_dirs, _rung_names(run_dirs), target, target_recipe, irreducible, extend)
     if plot is not None:
@@ -173,7 +198,7 @@ def fit(
 
 
 def _fit(
-    run_dirs: list[Path], names: list[str], target: Path, target_recipe: Recipe, irreducible: float, extend: bool
+    run_dirs: list[Path], names: list[str], target: Path, target_recipe: Recipe, irreducible: str, extend: bool
 ) -> tuple[dict[str, Any], LadderFit]:
     """Read the rungs (each checked to be a rung of the target), fit, and summarize; nothing is written."""
     rungs = []
@@ -181,7 +206,8 @@ def _fit(
         rung = read_rung(run_dir, name)  # checks the run dir first, so its errors name what is missing
         check_rung_of(load_recipe(Path(run_dir) / "recipe.toml"), target_recipe, str(run_dir))
         rungs.append(rung)
-    result = fit_ladder(rungs, training_compute(target_recipe), irreducible=irreducible, extend=extend)
+    E = parse_irreducible(irreducible)
+    result = fit_ladder(rungs, training_compute(target_recipe), irreducible=E, extend=extend)
     final = result.final
     if final.forecast is None:
         raise UserError(f"no forecast at g = 1.00: only {len(final.rungs)} rung(s) reach it (need 2); try --extend")
@@ -403,7 +429,7 @@ def run_ladder(
         list[str] | None,
         typer.Option("--sbatch-arg", help="Extra #SBATCH line for every job, e.g. --partition=gpu (repeatable)."),
     ] = None,
-    irreducible: IrreducibleOpt = IRREDUCIBLE_LOSS,
+    irreducible: IrreducibleOpt = str(IRREDUCIBLE_LOSS),
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -414,6 +440,7 @@ def run_ladder(
     """
     if len(recipes) < 2:
         raise UserError(f"ladder run needs at least 2 rung recipes (got {len(recipes)})")
+    parse_irreducible(irreducible)  # a bad value fails now, not after the rungs have trained
     target_recipe = load_recipe(target) if target is not None else None
     plans = _plan_rungs(recipes, root, target_recipe)
     if root.exists() and not root.is_dir():

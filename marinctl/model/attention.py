@@ -261,7 +261,10 @@ class Attention(eqx.Module):
         sconv_keys: ShortConv | None = None,
         sconv_values: ShortConv | None = None,
         impl: str = "xla",
+        is_global: bool | None = None,
     ) -> Float[Array, "b s d"]:
+        """`is_global`, when the caller knows the layer's kind statically, picks that kind's attention at
+        trace time; None leaves the choice to a `lax.cond` on `facts.is_global`."""
         cfg, H, Dh = self.config, self.num_heads, self.head_dim
         B, S, _ = a.shape
         dtype = a.dtype
@@ -283,7 +286,10 @@ class Attention(eqx.Module):
         if self.qk_mult is not None:
             mult = mult * self.qk_mult  # learnable ablation starts at the fixed value (param init 1)
         q = q.astype(F32) * mult[:, None]
-        q = q * jnp.where(facts.is_global, log_length_scale(positions), 1.0)[:, :, None, None]
+        if is_global is None:
+            q = q * jnp.where(facts.is_global, log_length_scale(positions), 1.0)[:, :, None, None]
+        elif is_global:
+            q = q * log_length_scale(positions)[:, :, None, None]
         q = q.astype(dtype)
 
         rotary_dims = int(Dh * cfg.rope_fraction)
@@ -291,7 +297,7 @@ class Attention(eqx.Module):
         k = rope(k, positions, rotary_dims, cfg.rope_theta, facts.rope)
 
         if impl == "xla":
-            y = self._xla_attention(q, k, v, segment_ids, facts)
+            y = self._xla_attention(q, k, v, segment_ids, facts, is_global)
         else:  # cuDNN: each query head's KV head gathered (per-layer map), window and documents in the mask
             k = jnp.take(k, facts.kv_of_head, axis=2)
             v = jnp.take(v, facts.kv_of_head, axis=2)
@@ -310,12 +316,15 @@ class Attention(eqx.Module):
         v: Float[Array, "b s kvs d"],
         segment_ids: Int[Array, "b s"],
         facts: LayerFacts,
+        is_global: bool | None = None,
     ) -> Float[Array, "b s h d"]:
-        """Attention + XSA on the XLA path, a `lax.cond` on the (traced) layer kind so that each kind runs only
-        the work it needs: local layers the banded path over `config.window` with `local_kv_heads`, global
-        layers the full square with the first `global_kv_heads` (docs/recipe.md §2.2). The traced `facts.window` is the
-        mask's window; the band's static bound is `config.window`, which `Transformer.layer_facts` gives every
-        local layer."""
+        """Attention + XSA on the XLA path, each kind running only the work it needs: local layers the banded
+        path over `config.window` with `local_kv_heads`, global layers the full square with the first
+        `global_kv_heads` (docs/recipe.md §2.2). The kind is static when the caller knows it (the model scans
+        runs of one kind), else a `lax.cond` on the traced fact. A cond inside a scanned, differentiated
+        layer saves both branches' residuals — the global square included — in every layer, so the model
+        avoids it. The traced `facts.window` is the mask's window; the band's static bound is
+        `config.window`, which `Transformer.layer_facts` gives every local layer."""
         cfg = self.config
 
         def kind(kv_heads: int, max_window: int | None) -> Callable[..., Array]:
@@ -330,4 +339,6 @@ class Attention(eqx.Module):
             return run
 
         local, global_ = kind(cfg.local_kv_heads, cfg.window), kind(cfg.global_kv_heads, None)
+        if is_global is not None:
+            return (global_ if is_global else local)(q, k, v, segment_ids, facts.window)
         return jax.lax.cond(facts.is_global, global_, local, q, k, v, segment_ids, facts.window)

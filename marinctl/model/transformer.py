@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import equinox as eqx
 import jax
@@ -78,10 +78,11 @@ class Block(eqx.Module):
         facts: LayerFacts,
         router_bias: Float[Array, " e"],
         impl: str = "xla",
+        is_global: bool | None = None,
     ) -> tuple[Float[Array, "b s d"], dict[str, Array]]:
         dtype = x.dtype
         a = normalize(self.attn_norm, self.attn_gated_norm, x, dtype)
-        h = self.attention(a, segment_ids, positions, facts, self.sconv_keys, self.sconv_values, impl)
+        h = self.attention(a, segment_ids, positions, facts, self.sconv_keys, self.sconv_values, impl, is_global)
         if self.sconv_attn_out is not None:
             h = self.sconv_attn_out(h, segment_ids)
         x = x + h
@@ -94,6 +95,24 @@ class Block(eqx.Module):
         if self.sconv_mlp_out is not None:
             y = self.sconv_mlp_out(y, segment_ids)
         return x + y, stats
+
+
+def layer_runs(layer_is_global: tuple[bool, ...]) -> tuple[int, list[tuple[int, int, bool | None]]]:
+    """The layer pattern's shortest period P (dividing L) and its runs of same-kind layers [(start, stop,
+    is_global)] within one period. The hero's 3 local : 1 global gives P = 4, runs [(0, 3, local), (3, 4,
+    global)]: the model scans 3 local layers, then 1 global, L/P times — each layer's kind static, so no
+    `lax.cond` between kinds (whose backward saves both kinds' residuals in every layer)."""
+    n = len(layer_is_global)
+    period = next(
+        p for p in range(1, n + 1) if n % p == 0 and all(layer_is_global[i] == layer_is_global[i % p] for i in range(n))
+    )
+    runs: list[tuple[int, int, bool | None]] = []
+    for i, kind in enumerate(layer_is_global[:period]):
+        if runs and runs[-1][2] == kind:
+            runs[-1] = (runs[-1][0], i + 1, kind)
+        else:
+            runs.append((i, i + 1, kind))
+    return period, runs
 
 
 def document_positions(segment_ids: Int[Array, "b s"]) -> Int[Array, "b s"]:
@@ -159,15 +178,41 @@ class Transformer(eqx.Module):
             x = normalize(self.embed_norm, self.embed_gated_norm, x, dtype)
         x = shard_batch(x.astype(dtype))
 
-        def layer(x, inputs):
-            block, facts, bias = inputs
-            x = checkpoint_name(shard_batch(x), BLOCK_INPUT)  # the one residual "offload" sends to the host
-            x, stats = block(x, segment_ids, positions, facts, bias, impl)
-            return shard_batch(x), stats
+        def layer_of(is_global: bool | None) -> Callable[[Array, tuple], tuple[Array, dict[str, Array]]]:
+            def layer(x, inputs):
+                block, facts, bias = inputs
+                x = checkpoint_name(shard_batch(x), BLOCK_INPUT)  # the one residual "offload" sends to the host
+                x, stats = block(x, segment_ids, positions, facts, bias, impl, is_global)
+                return shard_batch(x), stats
 
-        if self.remat != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-        x, stats = jax.lax.scan(layer, x, (self.blocks, self.layer_facts(), router_bias))
+            if self.remat != "none":
+                layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+            return layer
+
+        # Without remat, one scan per run of same-kind layers: a `lax.cond` between kinds would save both
+        # kinds' residuals (the global S² ones included) for every layer (+10% tokens/s on the tiny recipe at
+        # seq 256, +32% at 1024). With remat only the block inputs are saved, so one scan over all layers
+        # with the cond inside keeps XLA's schedule — and the memory planner's figures — as they are.
+        L = len(self.layer_is_global)
+        period, runs = layer_runs(self.layer_is_global) if self.remat == "none" else (L, [(0, L, None)])
+        layers = {kind: layer_of(kind) for kind in {kind for _, _, kind in runs}}
+
+        def group(x, inputs):  # one period of the layer pattern: a scan per run of same-kind layers
+            stats = []
+            for start, stop, kind in runs:
+                part = jax.tree.map(lambda a, start=start, stop=stop: a[start:stop], inputs)
+                x, run_stats = jax.lax.scan(layers[kind], x, part)
+                stats.append(run_stats)
+            return x, jax.tree.map(lambda *s: jnp.concatenate(s), *stats)
+
+        inputs = (self.blocks, self.layer_facts(), router_bias)
+        groups = L // period
+        if groups == 1:
+            x, stats = group(x, inputs)
+        else:  # [L, ...] -> [G, P, ...]: an outer scan over the pattern's repeats, stats back to [L, ...]
+            grouped = jax.tree.map(lambda a: a.reshape(groups, period, *a.shape[1:]), inputs)
+            x, stats = jax.lax.scan(group, x, grouped)
+            stats = jax.tree.map(lambda a: a.reshape(groups * period, *a.shape[2:]), stats)
 
         return normalize(self.final_norm, self.final_gated_norm, x, dtype), stats
 

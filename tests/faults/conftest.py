@@ -4,13 +4,10 @@ checkpoint every 4 of 12 steps), one persistent XLA cache, trainer subprocesses,
 Every fault is real: signals to real processes, real file systems filling up, real bytes damaged. Each test
 compares the faulted run with the uninterrupted reference where the outcome should be identical."""
 
-import json
-import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,61 +16,26 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-MICRO = """
-extends = "{micro}"
-
-[train]
-steps = {steps}
-
-[data]
-root = "{data}"
-
-[checkpoint]
-every = 4
-keep_last = 10
-
-[eval]
-every = 4
-batches = 1
-batch_size = 8
-
-[log]
-norms_every = 0
-"""
-
 STEPS = 12
 
 
 @pytest.fixture(scope="session")
-def fault_env(tmp_path_factory):
-    """Environment for trainer subprocesses (and this process): 8 CPU devices, one compilation cache."""
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache
-
-    cache = Path(os.environ.get("MARINCTL_TEST_XLA_CACHE") or tmp_path_factory.mktemp("xla_cache"))
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache)
-    jax.config.update("jax_compilation_cache_dir", str(cache))
-    compilation_cache.reset_cache()
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "NO_COLOR": "1", "PYTHONUNBUFFERED": "1"}
+def fault_env(subprocess_env):
+    """Environment for trainer subprocesses: 8 CPU devices, the session's compilation cache."""
+    return subprocess_env
 
 
 @pytest.fixture(scope="session")
-def fault_recipe(tmp_path_factory, fault_env) -> Path:
-    from marinctl.data.builtin import ensure_builtin_corpus
-    from marinctl.recipe import load_recipe
-
-    root = tmp_path_factory.mktemp("faults_micro")
-    path = root / "micro.toml"
-    path.write_text(MICRO.format(micro=REPO / "tests" / "micro.toml", data=root / "data", steps=STEPS))
-    ensure_builtin_corpus(load_recipe(path))
-    return path
+def fault_recipe(micro_run_recipe) -> Path:
+    """tests/micro.toml, 12 steps, a checkpoint and an in-loop eval every 4."""
+    return micro_run_recipe(steps=STEPS, checkpoint_every=4, eval_every=4, norms_every=0, name="faults_micro")
 
 
 class Trainer:
     """`marinctl train` as a subprocess, and the observations the fault tests make of a run dir."""
 
-    def __init__(self, env: dict, recipe: Path):
-        self.env, self.recipe = env, recipe
+    def __init__(self, env: dict, recipe: Path, process):
+        self.env, self.recipe, (self._launch, self._finish) = env, recipe, process
 
     def args(self, run_dir: Path, *extra: str) -> list[str]:
         return ["train", str(self.recipe), "--run-dir", str(run_dir), "--json", "--quiet", *extra]
@@ -82,20 +44,12 @@ class Trainer:
         args = self.args(run_dir, *extra)
         if not quiet:
             args.remove("--quiet")
-        return subprocess.Popen(
-            [sys.executable, "-m", "marinctl.cli", *args],
-            env={**self.env, **(env or {})},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        return self._launch(args, {**self.env, **(env or {})})
 
-    @staticmethod
-    def finish(proc: subprocess.Popen, timeout: float = 400) -> tuple[int, dict | None, str]:
+    def finish(self, proc: subprocess.Popen, timeout: float = 400) -> tuple[int, dict | None, str]:
         """(exit code, the --json summary or None, stdout+stderr)."""
-        out, err = proc.communicate(timeout=timeout)
-        lines = [line for line in out.splitlines() if line.startswith("{")]
-        return proc.returncode, (json.loads(lines[-1]) if lines else None), out + err
+        rc, summary, out, err = self._finish(proc, timeout)
+        return rc, summary, out + err
 
     def run(self, run_dir: Path, *extra: str, timeout: float = 400, **kw) -> tuple[int, dict | None, str]:
         return self.finish(self.launch(run_dir, *extra, **kw), timeout)
@@ -152,8 +106,8 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def trainer(fault_env, fault_recipe) -> Trainer:
-    return Trainer(fault_env, fault_recipe)
+def trainer(fault_env, fault_recipe, marinctl_process) -> Trainer:
+    return Trainer(fault_env, fault_recipe, marinctl_process)
 
 
 @pytest.fixture(scope="session")

@@ -5,12 +5,7 @@ run's losses; the time-limit path (`--time=1 --signal=USR1@50`) -> checkpoint, e
 `srun --ntasks=2` forming a 2-process JAX run from SLURM's environment alone, equal to 1 x 8.
 Skipped with the reason when slurm-wlm/munge are not installed or not run as root (.ci/run installs them)."""
 
-import os
 import re
-import shutil
-import signal
-import socket
-import subprocess
 import time
 from pathlib import Path
 
@@ -18,124 +13,15 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "srun")
-
-CONF = """ClusterName=marinctl-test
-SlurmctldHost={host}(127.0.0.1)
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-# cred_expire is also how long SLURM holds a requeued job before it may start again (default 120 s).
-AuthInfo=socket={d}/munge.sock,cred_expire=5
-CredType=cred/munge
-StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool
-SlurmctldPidFile={d}/slurmctld.pid
-SlurmdPidFile={d}/slurmd.pid
-SlurmctldPort={ctld_port}
-SlurmdPort={d_port}
-SlurmctldLogFile={d}/slurmctld.log
-SlurmdLogFile={d}/slurmd.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SwitchType=switch/none
-MpiDefault=none
-ReturnToService=2
-SchedulerType=sched/builtin
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-JobCompType=jobcomp/none
-AccountingStorageType=accounting_storage/none
-JobAcctGatherType=jobacct_gather/none
-KillWait=60
-MinJobAge=3600
-NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=1000 State=UNKNOWN
-PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
-"""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Cluster:
-    def __init__(self, root: Path, env: dict):
-        self.root, self.conf = root, root / "slurm.conf"
-        self.env = {**env, "SLURM_CONF": str(self.conf)}
-
-    def run(self, *args: str, check: bool = True) -> str:
-        result = subprocess.run(list(args), env=self.env, capture_output=True, text=True, timeout=60)
-        if check and result.returncode:
-            raise AssertionError(f"{' '.join(args)}: {result.stderr}")
-        return result.stdout
-
-    def job(self, job_id: str) -> dict[str, str]:
-        text = self.run("scontrol", "show", "job", job_id, "-o", check=False)
-        return dict(re.findall(r"(\w+)=(\S*)", text))
-
-    def wait_job(self, job_id: str, predicate, timeout: float, what: str) -> dict[str, str]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            info = self.job(job_id)
-            if predicate(info):
-                return info
-            time.sleep(0.5)
-        raise AssertionError(f"job {job_id}: not {what} within {timeout}s: {self.job(job_id)}")
-
-    def sbatch(self, script: str, *options: str) -> str:
-        path = self.root / f"job-{time.monotonic_ns()}.sh"
-        path.write_text(script)
-        log = f"--output={self.root}/%j.out"  # appended to across requeues
-        out = self.run("sbatch", "--parsable", f"--chdir={REPO}", log, "--open-mode=append", *options, str(path))
-        return out.strip().split(";")[0]
 
 
 @pytest.fixture(scope="module")
-def cluster(fault_env, tmp_path_factory):
-    missing = [b for b in BINARIES if shutil.which(b) is None]
-    if missing:
-        pytest.skip(f"SLURM not installed ({', '.join(missing)} missing): apt-get install slurm-wlm munge")
-    if os.geteuid() != 0:
-        pytest.skip("the single-node SLURM cluster runs its daemons as root (CI runs as root)")
-    d = Path(tempfile_dir := str(tmp_path_factory.mktemp("slurm")))
-    for sub in ("state", "spool"):
-        (d / sub).mkdir()
-    os.chmod(d, 0o755)  # munged wants its socket directory reachable
-    key = d / "munge.key"
-    subprocess.run(["mungekey", "-c", "-k", str(key)], check=True, capture_output=True)
-    os.chmod(key, 0o600)
-    subprocess.run(
-        ["munged", "-f", f"--socket={d}/munge.sock", f"--key-file={key}", f"--log-file={d}/munged.log",
-         f"--pid-file={d}/munged.pid", f"--seed-file={d}/munged.seed"],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    host = socket.gethostname()
-    conf = CONF.format(host=host, d=tempfile_dir, ctld_port=_free_port(), d_port=_free_port(), cpus=os.cpu_count())
-    (d / "slurm.conf").write_text(conf)
-    c = Cluster(d, fault_env)
-    pids = [d / "munged.pid"]
-    try:
-        c.run("slurmctld", "-i", "-f", str(d / "slurm.conf"))
-        pids.append(d / "slurmctld.pid")
-        c.run("slurmd", "-f", str(d / "slurm.conf"))
-        pids.append(d / "slurmd.pid")
-        deadline = time.monotonic() + 60
-        while "idle" not in c.run("sinfo", "-h", "-o", "%T", check=False):
-            assert time.monotonic() < deadline, (d / "slurmctld.log").read_text()[-3000:]
-            time.sleep(0.5)
-        yield c
-    finally:
-        for job in c.run("squeue", "-h", "-o", "%i", check=False).split():
-            c.run("scancel", job, check=False)
-        for pidfile in reversed(pids):  # stop our daemons by their pids, nothing else
-            if pidfile.exists():
-                try:
-                    os.kill(int(pidfile.read_text().split()[0]), signal.SIGTERM)
-                except (ProcessLookupError, ValueError):
-                    pass
-        time.sleep(1)
+def cluster(slurm_cluster, fault_env):
+    """The session's cluster, its jobs run in the fault suite's environment; their jobs cancelled at the end."""
+    c = slurm_cluster.with_env({**fault_env, "PATH": slurm_cluster.env["PATH"]})
+    yield c
+    for job in c.run("squeue", "-h", "-o", "%i", check=False).split():
+        c.run("scancel", job, check=False)
 
 
 def readme_script(recipe: Path, run_dir: Path, extra: str = "", args: str = "") -> str:

@@ -15,6 +15,7 @@ from marinctl.ladder import (
     Rung,
     compute_efficiency,
     extension_line,
+    fit_irreducible,
     fit_ladder,
     fit_power_law,
     read_rung,
@@ -65,6 +66,31 @@ def test_fit_recovers_each_progress_law_and_forecasts_its_value_at_the_target():
         assert f.residual_rms < 1e-10 and f.rungs == ("r0", "r1", "r2", "r3")
     assert fit.final.forecast == pytest.approx(E + law_A(1.0) * target ** -law_alpha(1.0), rel=1e-10)
     assert fit.extrapolated() == []
+
+
+@pytest.mark.parametrize("E_true", [0.0, 0.7, 1.5])
+def test_fitted_irreducible_loss_recovers_the_floor_of_an_exact_law(E_true):
+    compute = np.asarray(COMPUTES)
+    loss = E_true + 60.0 * compute**-0.09
+    assert fit_irreducible(compute, loss) == pytest.approx(E_true, abs=2e-3)
+
+
+def test_fitted_irreducible_loss_stays_at_zero_for_a_convex_log_log_curve_and_needs_three_budgets():
+    compute = np.asarray(COMPUTES)
+    loss = np.exp(3.0 - 0.05 * np.log(compute) - 0.002 * np.log(compute) ** 2)  # bends down: no floor in sight
+    assert fit_irreducible(compute, loss) == 0.0
+    with pytest.raises(UserError, match="three or more compute budgets"):
+        fit_irreducible(compute[:2], loss[:2])
+
+
+def test_fit_ladder_fits_E_once_from_the_final_losses_and_holds_it_for_every_progress():
+    progress = np.concatenate([[0.0], GRID])
+    rungs = [synthetic_rung(f"r{i}", c, progress) for i, c in enumerate(COMPUTES)]
+    fit = fit_ladder(rungs, 2.611e24, irreducible=None)
+    assert fit.irreducible_fitted and fit.irreducible == pytest.approx(E, abs=2e-3)
+    assert {f.law.E for f in fit.per_progress} == {fit.irreducible}
+    assert fit.final.forecast == pytest.approx(law_loss(1.0, 2.611e24), rel=1e-3)
+    assert not fit_ladder(rungs, 2.611e24, irreducible=E).irreducible_fitted
 
 
 def test_power_law_fit_is_the_least_squares_line_in_log_space():

@@ -115,6 +115,17 @@ def test_fit_irreducible_loss_changes_the_law(ladder, capsys):
     assert out["per_progress"][-1]["residual_rms"] > 1e-4  # the law was made with E = 1.5
 
 
+def test_fit_with_a_fitted_irreducible_loss_finds_the_floor_the_rungs_were_made_with(ladder, capsys):
+    root, _, _ = ladder
+    dirs = [str(root / n) for n in STEPS]
+    out = fit_json(capsys, *dirs, "--target", str(HERO), "--irreducible", "fit")
+    assert out["irreducible_fitted"] and out["irreducible"] == pytest.approx(E, abs=0.05)
+    for bad, message in (("abc", "expected a number or 'fit'"), ("-1", "must be a finite number ≥ 0")):
+        assert run(["ladder", "fit", *dirs, "--target", str(HERO), "--irreducible", bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"--irreducible: {message}" in err and "\n" not in err
+
+
 def test_fit_writes_the_plot_as_a_png(ladder, capsys, tmp_path):
     root, _, crashed = ladder
     png = tmp_path / "ladder.png"

@@ -12,7 +12,7 @@ import pytest
 from marinctl.counting import count_params
 from marinctl.model.attention import UNBOUNDED_WINDOW
 from marinctl.model.loss import model_loss
-from marinctl.model.transformer import build_model, document_positions, init_model, model_params
+from marinctl.model.transformer import build_model, document_positions, init_model, layer_runs, model_params
 from marinctl.params import param_table
 
 # The init code is key-type agnostic; RBG keys compile ~3× faster on CPU than threefry (test budget).
@@ -200,6 +200,29 @@ def test_remat_policy_gives_the_same_loss_and_gradients_as_no_remat(small_recipe
     (loss, _), grads = loss_and_grad(small_recipe)(dataclasses.replace(model, remat=remat), batch, bias)
     assert float(loss) == pytest.approx(ref_loss, rel=1e-6)
     for g, g_ref in zip(jax.tree_util.tree_leaves(grads), ref_grads, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("layers", "runs"),
+    [(4, [(0, 3, False), (3, 4, True)]), (8, [(0, 3, False), (3, 4, True)])],  # one period; two (outer scan)
+)
+def test_scans_of_same_kind_layers_equal_one_scan_with_a_cond_between_kinds(small_recipe, layers, runs):
+    """remat "none" scans each run of local (global) layers with the kind static; "full" keeps one scan over
+    every layer with a `lax.cond` on the kind (transformer.layer_runs). Same loss, stats and gradients."""
+    recipe = replace(replace(small_recipe, "model", num_layers=layers), "attention", global_every=4)
+    assert layer_runs(recipe.layer_is_global()) == (4, runs)
+    model = init_model(recipe, KEY)
+    batch = batch_for(recipe, 2, seed=5)
+    bias = jnp.asarray(np.random.default_rng(1).normal(size=(layers, recipe.moe.num_experts)) * 0.1)
+    out = {}
+    for remat in ("none", "full"):
+        (loss, aux), grads = loss_and_grad(recipe)(dataclasses.replace(model, remat=remat), batch, bias)
+        out[remat] = (float(loss), aux, jax.tree_util.tree_leaves(grads))
+    assert out["none"][0] == pytest.approx(out["full"][0], rel=1e-6)
+    for a, b in zip(jax.tree_util.tree_leaves(out["none"][1]), jax.tree_util.tree_leaves(out["full"][1]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    for g, g_ref in zip(out["none"][2], out["full"][2], strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-4, atol=1e-7)
 
 

@@ -2,12 +2,9 @@
 the built-in corpus built once, and one persistent XLA cache, so the train step is compiled once and
 every subprocess run reuses it."""
 
-import json
-import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,79 +12,34 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-# tests/micro.toml (shared with tests/stages) plus this run's steps, data, checkpoint and eval cadence.
-MICRO = """
-extends = "{micro}"
-
-[train]
-steps = {steps}
-
-[data]
-root = "{data}"
-
-[checkpoint]
-every = 5
-keep_last = 10
-
-[eval]
-every = 0
-batches = 1
-batch_size = 8
-
-[log]
-norms_every = 10
-"""
-
 STEPS = 24
 
 
 @pytest.fixture(scope="session")
-def train_env(tmp_path_factory):
-    """Environment for trainer subprocesses (and this process): 8 CPU devices, one compilation cache."""
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache
-
-    cache = tmp_path_factory.mktemp("xla_cache")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache)
-    jax.config.update("jax_compilation_cache_dir", str(cache))
-    compilation_cache.reset_cache()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "NO_COLOR": "1", "PYTHONUNBUFFERED": "1"}
-    return env
+def train_env(subprocess_env):
+    """Environment for trainer subprocesses: 8 CPU devices, the session's compilation cache."""
+    return subprocess_env
 
 
 @pytest.fixture(scope="session")
-def micro_recipe_path(tmp_path_factory, train_env):
-    from marinctl.data.builtin import ensure_builtin_corpus
-    from marinctl.recipe import load_recipe
-
-    root = tmp_path_factory.mktemp("micro")
-    path = root / "micro.toml"
-    path.write_text(MICRO.format(micro=REPO / "tests" / "micro.toml", data=root / "data", steps=STEPS))
-    ensure_builtin_corpus(load_recipe(path))  # once, before any run races to build it
-    return path
+def micro_recipe_path(micro_run_recipe):
+    """tests/micro.toml with this suite's steps, a checkpoint every 5 steps, no in-loop eval."""
+    return micro_run_recipe(steps=STEPS, checkpoint_every=5, eval_every=0, norms_every=10)
 
 
 class Runner:
     """`marinctl` as a subprocess, with the shared environment, plus the polling the signal tests need."""
 
-    def __init__(self, env: dict):
-        self.env = env
+    def __init__(self, env: dict, process):
+        self.env, (self._launch, self._finish) = env, process
 
     def launch(self, args: list[str], env: dict | None = None) -> subprocess.Popen:
-        return subprocess.Popen(
-            [sys.executable, "-m", "marinctl.cli", *args],
-            env={**self.env, **(env or {})},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        return self._launch(args, {**self.env, **(env or {})})
 
-    @staticmethod
-    def finish(proc: subprocess.Popen, timeout: float = 400) -> tuple[int, dict | None, str]:
+    def finish(self, proc: subprocess.Popen, timeout: float = 400) -> tuple[int, dict | None, str]:
         """(exit code, the --json summary or None, stderr)."""
-        out, err = proc.communicate(timeout=timeout)
-        lines = [line for line in out.splitlines() if line.startswith("{")]
-        return proc.returncode, (json.loads(lines[-1]) if lines else None), err
+        rc, summary, _, err = self._finish(proc, timeout)
+        return rc, summary, err
 
     @staticmethod
     def committed_steps(run_dir: Path) -> list[int]:
@@ -116,5 +68,5 @@ class Runner:
 
 
 @pytest.fixture(scope="session")
-def runner(train_env) -> Runner:
-    return Runner(train_env)
+def runner(train_env, marinctl_process) -> Runner:
+    return Runner(train_env, marinctl_process)
