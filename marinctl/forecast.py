@@ -52,6 +52,7 @@ class Forecast:
     loss: tuple[float | None, ...]
     final_law: dict[str, float]
     rungs: tuple[dict[str, Any], ...] = ()  # name, run_dir, compute of each rung the fit used
+    irreducible_fitted: bool = False  # E was fitted to the rungs (`ladder fit --irreducible fit`)
 
     def at(self, progress: float) -> float | None:
         """The forecast at progress g: linear between grid points that have one; None outside them (the
@@ -102,6 +103,7 @@ def write_forecast(summary: dict[str, Any], target: dict[str, Any], path: Path) 
         "format": FORMAT,
         "target": target,
         "irreducible": summary["irreducible"],
+        "irreducible_fitted": summary.get("irreducible_fitted", False),  # E fitted to the rungs, not given
         "final_forecast": summary["forecast"],
         "final_law": summary["final_law"],
         "curve": [
@@ -138,7 +140,7 @@ def read_forecast(path: str | Path) -> Forecast:
         raise UserError(f"{path}: malformed forecast file ({type(err).__name__}: {err})") from None
     if not progress or list(progress) != sorted(set(progress)):
         raise UserError(f"{path}: the forecast curve's progress values must be distinct and increasing")
-    return Forecast(path, target, irreducible, progress, loss, law, rungs)
+    return Forecast(path, target, irreducible, progress, loss, law, rungs, bool(doc.get("irreducible_fitted", False)))
 
 
 def load_run_forecast(recipe: Recipe) -> Forecast | None:

@@ -458,7 +458,8 @@ def write_ladder_plot(fit: LadderFit, path: Path, target_name: str = "target") -
     by_compute.set_xscale("log")
     by_compute.set_xlabel("training FLOPs so far, g · C (excl. lm_head)")
     by_compute.set_ylabel("dropless eval macro loss (nats)")
-    by_compute.set_title(f"per-progress fits L = E + A·(gC)^−α (E = {fit.irreducible:g}); ★ = forecast")
+    E = f"{fit.irreducible:.4g}{', fitted' * fit.irreducible_fitted}"
+    by_compute.set_title(f"per-progress fits L = E + A·(gC)^−α (E = {E}); ★ = forecast")
     for ax in (by_progress, by_compute):
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")

@@ -8,6 +8,7 @@ still training: the forecast is drawn to g = 1, the actual curve as far as it ha
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +58,8 @@ def write_forecast_plot(run_dir: Path, records: list[dict[str, Any]]) -> Path | 
     bottom.axhline(0, color="k", lw=0.8)
     bottom.plot(g, 100 * rel, "o-", ms=3.5, lw=1.2, color="C3", label="(actual − forecast) / forecast")
     last = rel[-1]
-    bottom.annotate(f"{100 * last:+.2f}% at g = {g[-1]:.2f}", (g[-1], 100 * last), textcoords="offset points",
-                    xytext=(-10, 8 if last >= 0 else -16), ha="right", fontsize="small")  # fmt: skip
+    bottom.text(0.45, 0.06, f"final: {100 * last:+.2f}% at g = {g[-1]:.2f}", transform=bottom.transAxes,
+                va="bottom", ha="center", fontsize="small", bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})  # fmt: skip
     bottom.set_xlabel("training progress g = step / steps")
     bottom.set_ylabel("error (%)")
     bottom.set_xlim(0, 1.02)
@@ -81,6 +82,7 @@ def write_rungs_plot(run_dir: Path) -> Path | None:
         forecast = read_forecast(recipe.eval.forecast)
         rungs = [read_rung(Path(r["run_dir"]), r["name"]) for r in forecast.rungs]
         fit = fit_ladder(rungs, float(forecast.target["compute"]), irreducible=forecast.irreducible)
+        fit = dataclasses.replace(fit, irreducible_fitted=forecast.irreducible_fitted)
     except (UserError, KeyError, TypeError, ValueError):
         return None
     return write_ladder_plot(fit, run_dir / "ladder.png", str(forecast.target.get("name", run_dir.name)))
