@@ -58,8 +58,9 @@ def write_forecast_plot(run_dir: Path, records: list[dict[str, Any]]) -> Path | 
     bottom.axhline(0, color="k", lw=0.8)
     bottom.plot(g, 100 * rel, "o-", ms=3.5, lw=1.2, color="C3", label="(actual − forecast) / forecast")
     last = rel[-1]
+    box = {"facecolor": "white", "alpha": 0.8, "lw": 0}
     bottom.text(0.45, 0.06, f"final: {100 * last:+.2f}% at g = {g[-1]:.2f}", transform=bottom.transAxes,
-                va="bottom", ha="center", fontsize="small", bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})  # fmt: skip
+                va="bottom", ha="center", fontsize="small", bbox=box)  # fmt: skip
     bottom.set_xlabel("training progress g = step / steps")
     bottom.set_ylabel("error (%)")
     bottom.set_xlim(0, 1.02)
