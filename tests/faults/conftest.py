@@ -72,10 +72,18 @@ def train_losses(run_dir: Path) -> list[float]:
 
 
 def final_state(ckpt_dir: Path, step: int) -> dict[str, np.ndarray]:
+    """The checkpoint's arrays, restored onto this process's first device whatever topology saved them (a
+    2-process run's checkpoint names devices this process does not have)."""
+    import jax
     import orbax.checkpoint as ocp
 
-    restored = ocp.StandardCheckpointer().restore((ckpt_dir / str(step) / "state").absolute())
-    return {k: np.asarray(v) for k, v in restored.items()}
+    path = (ckpt_dir / str(step) / "state").absolute()
+    checkpointer = ocp.StandardCheckpointer()
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), checkpointer.metadata(path).item_metadata
+    )
+    return {k: np.asarray(v) for k, v in checkpointer.restore(path, target).items()}
 
 
 def assert_bitwise_equal(ours: dict, theirs: dict) -> None:

@@ -61,12 +61,12 @@ def _eval_pending(run_dir, done) -> bool:
     return bool(done) and (done[-1] + 1) % EVERY == 0 and (done[-1] + 1) not in _records(run_dir, "eval")
 
 
-def kill_chain(h, trainer, run_dir, plan, seed) -> list[dict]:
+def kill_chain(h, trainer, run_dir, plan, seed, *extra: str) -> list[dict]:
     """Run, SIGKILL at each planned point, re-run; return what each kill interrupted."""
     rng = random.Random(seed + 1)
     seen = []
     for kind, delay in plan:
-        proc = trainer.launch(run_dir)
+        proc = trainer.launch(run_dir, *extra)
         h.wait_until(_Point(kind, run_dir, proc, rng), None, 400, kind)
         if proc.poll() is not None:  # the run finished before the point came
             seen.append({"kind": kind, "interrupted": "nothing: the run had finished", "rc": proc.returncode})
@@ -87,12 +87,12 @@ def kill_chain(h, trainer, run_dir, plan, seed) -> list[dict]:
     return seen
 
 
-def resume_to_end_and_compare(h, trainer, run_dir, reference):
-    rc, summary, out = trainer.run(run_dir)
+def resume_to_end_and_compare(h, trainer, run_dir, reference, *extra: str, steps: int = STEPS):
+    rc, summary, out = trainer.run(run_dir, *extra)
     assert rc == 0, out[-3000:]
-    assert summary["exit_reason"] == "done" and summary["steps"] == STEPS
+    assert summary["exit_reason"] == "done" and summary["steps"] == steps
     assert h.train_losses(run_dir) == reference["losses"]  # record for record, exactly
-    h.assert_bitwise_equal(h.final_state(run_dir / "checkpoints", STEPS), reference["state"])
+    h.assert_bitwise_equal(h.final_state(run_dir / "checkpoints", steps), reference["state"])
 
 
 def test_sigkill_at_seeded_points_then_rerun_is_bitwise_equal(h, trainer, reference, tmp_path):
@@ -107,15 +107,25 @@ def test_sigkill_at_seeded_points_then_rerun_is_bitwise_equal(h, trainer, refere
 
 
 @pytest.mark.slow
-def test_soak_sigkill_at_twelve_seeded_points(h, trainer, reference, tmp_path):
+def test_soak_sigkill_at_twelve_seeded_points(h, trainer, tmp_path):
+    """Twelve kills need a longer run than the default set's 12 steps (each kill lets the run advance 1-3
+    steps): 48 steps, with its own uninterrupted reference."""
+    steps = 48
+    extra = ("--set", f"train.steps={steps}")
+    rc, _, out = trainer.run(tmp_path / "reference", *extra)
+    assert rc == 0, out[-3000:]
+    reference = {
+        "losses": h.train_losses(tmp_path / "reference"),
+        "state": h.final_state(tmp_path / "reference" / "checkpoints", steps),
+    }
     run_dir = tmp_path / "soak"
-    seen = kill_chain(h, trainer, run_dir, kill_points(seed=2026, count=12), seed=2026)
+    seen = kill_chain(h, trainer, run_dir, kill_points(seed=2026, count=12), 2026, *extra)
     print("kills:", seen)
     kills = [s for s in seen if s["rc"] == -signal.SIGKILL]
     assert len(kills) >= 10, seen
     assert any(s["checkpoint_write_in_flight"] for s in kills), seen  # at least one landed mid-write
     assert any(s["eval_pending"] for s in kills), seen  # and one between a save and its eval record
-    resume_to_end_and_compare(h, trainer, run_dir, reference)
+    resume_to_end_and_compare(h, trainer, run_dir, reference, *extra, steps=steps)
 
 
 def test_second_trainer_is_refused_a_dead_holder_is_taken_over_and_sigusr1_checkpoints(h, trainer, reference, tmp_path):

@@ -122,7 +122,6 @@ def test_ladder_run_trains_skips_fits_and_the_target_is_tracked_against_the_fore
     assert (run_dir / "forecast.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.slow
 def test_ladder_run_sbatch_trains_the_rungs_as_requeueable_jobs_on_a_real_slurm(slurm, tmp_path):
     """`--sbatch` against slurmctld + slurmd on localhost: one job per rung, each a real `marinctl train`;
     once they finish, the same command skips them all and fits."""
