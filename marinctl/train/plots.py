@@ -60,7 +60,8 @@ def write_plots(run_dir: Path) -> list[Path]:
         twin = ax.twinx()
         twin.plot(*_series(train, "routing_entropy"), lw=1, color="tab:blue", label="routing entropy")
         twin.set_ylabel("routing entropy of expert load (nats; ln E is uniform)")
-        fig.legend(loc="upper right")
+        lines = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+        ax.legend(lines, [line.get_label() for line in lines], loc="center right", fontsize="small")
         _mark_changes(ax, changes)
         _finish(ax, "step", None, f"{run_dir.name}: routing", legend=False)
         written.append(_save(fig, run_dir / "routing.png"))
@@ -107,7 +108,8 @@ def _mark_changes(ax: Any, changes: list[dict[str, Any]]) -> None:
     for record in changes:
         ax.axvline(record["step"], ls="--", lw=1, color="0.35", zorder=0)
         ax.text(record["step"], 0.98, f" {record.get('name', 'change')}", transform=ax.get_xaxis_transform(),
-                rotation=90, va="top", ha="right", fontsize="x-small", color="0.25")  # fmt: skip
+                rotation=90, va="top", ha="right", fontsize="x-small", color="0.25",
+                bbox={"facecolor": "white", "alpha": 0.7, "edgecolor": "none", "pad": 1})  # fmt: skip
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
