@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -102,12 +103,13 @@ def _int_env(env: Mapping[str, str], name: str) -> int | None:
         raise UserError(f"environment variable {name}={raw!r} is not an integer") from None
 
 
-def initialize(config: DistributedConfig | None) -> None:
+def initialize(config: DistributedConfig | None, run_dir: str = "") -> None:
     """Start JAX's distributed runtime (before any other JAX call touches the devices)."""
     import jax
 
     if config is None:
         return
+    _say_what_to_do_on_abort(config, run_dir)
     # XLA:CPU has no cross-process collectives of its own; gloo carries them over TCP (GPU runs ignore it).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     log.info(
@@ -127,3 +129,36 @@ def initialize(config: DistributedConfig | None) -> None:
         process_id=config.process_id,
         heartbeat_timeout_seconds=heartbeat,
     )
+
+
+# Kept alive for the life of the process: the C handler below calls into it.
+_ABORT_HANDLER: object = None
+
+
+def _say_what_to_do_on_abort(config: DistributedConfig, run_dir: str) -> None:
+    """When another process of the run dies, JAX's coordination service ends every survivor with a fatal
+    log line ("... stopped sending heartbeats: <task>") and a C++ stack trace, then abort(). Python cannot
+    catch that, and the runtime's missed-heartbeat callback cannot be replaced from Python (the binding
+    rejects it), so a C-level SIGABRT handler adds the operator's line as the last thing in the log and exits
+    1 instead of dumping core. It only writes and exits: no locks, no allocation beyond the message."""
+    import ctypes
+
+    global _ABORT_HANDLER
+    n = config.num_processes
+    message = (
+        f"marinctl: process {config.process_id} of {n} was aborted by the XLA runtime (its 'F' line above says "
+        f"why; 'stopped sending heartbeats' or 'Failed to send RPC to coordination service' means another "
+        f"process of this run died). Relaunch all {n} processes with the same command: the run resumes from its "
+        f"newest checkpoint" + (f" in {run_dir}" if run_dir else "") + ".\n"
+    ).encode()
+
+    def on_abort(signum: int) -> None:
+        os.write(2, message)
+        os._exit(1)
+
+    handler_type = ctypes.CFUNCTYPE(None, ctypes.c_int)
+    _ABORT_HANDLER = handler_type(on_abort)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.argtypes = [ctypes.c_int, handler_type]
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal(signal.SIGABRT, _ABORT_HANDLER)

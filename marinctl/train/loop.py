@@ -197,7 +197,7 @@ def run(recipe: Recipe, options: RunOptions) -> RunSummary:
         _EARLY_STOP.clear()
         previous = {sig: signal.signal(sig, _early_stop) for sig in Preemption.SIGNALS}
     with RunLock(options.run_dir) if main_process else nullcontext(), _restore_handlers(previous):
-        distributed.initialize(options.distributed)  # before anything else touches the devices
+        distributed.initialize(options.distributed, str(options.run_dir))  # before anything else touches the devices
         configure_jax()
         import jax
 
