@@ -140,7 +140,8 @@ def _say_what_to_do_on_abort(config: DistributedConfig, run_dir: str) -> None:
     log line ("... stopped sending heartbeats: <task>") and a C++ stack trace, then abort(). Python cannot
     catch that, and the runtime's missed-heartbeat callback cannot be replaced from Python (the binding
     rejects it), so a C-level SIGABRT handler adds the operator's line as the last thing in the log and exits
-    1 instead of dumping core. It only writes and exits: no locks, no allocation beyond the message."""
+    1 instead of dumping core. The handler runs in the aborting thread and takes the GIL (ctypes does), so it
+    does nothing else: the message is built here, ahead of time, and it only writes it and exits."""
     import ctypes
 
     global _ABORT_HANDLER
@@ -158,7 +159,7 @@ def _say_what_to_do_on_abort(config: DistributedConfig, run_dir: str) -> None:
 
     handler_type = ctypes.CFUNCTYPE(None, ctypes.c_int)
     _ABORT_HANDLER = handler_type(on_abort)
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = ctypes.CDLL(None)
     libc.signal.argtypes = [ctypes.c_int, handler_type]
     libc.signal.restype = ctypes.c_void_p
     libc.signal(signal.SIGABRT, _ABORT_HANDLER)
