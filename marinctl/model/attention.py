@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from marinctl.errors import UserError
-from marinctl.model.layers import F32, ShortConv, rms_norm
+from marinctl.model.layers import F32, ShortConv, linear, rms_norm
 from marinctl.recipe import AttentionConfig
 
 # Keys beyond a global layer's reach: larger than any sequence, small enough for int32 arithmetic.
@@ -268,9 +268,9 @@ class Attention(eqx.Module):
         cfg, H, Dh = self.config, self.num_heads, self.head_dim
         B, S, _ = a.shape
         dtype = a.dtype
-        q = a @ self.w_q.astype(dtype)
-        k = a @ self.w_k.astype(dtype)
-        v = a @ self.w_v.astype(dtype)
+        q = linear(a, self.w_q.astype(dtype))
+        k = linear(a, self.w_k.astype(dtype))
+        v = linear(a, self.w_v.astype(dtype))
         if sconv_keys is not None:  # docs/recipe.md §2.1: on the key projection, before the QK norm
             k = sconv_keys(k, segment_ids)
         if sconv_values is not None:
@@ -305,9 +305,9 @@ class Attention(eqx.Module):
             if cfg.xsa:
                 y = exclusive_self_attention(y, v)
         if self.w_gate is not None:  # docs/recipe.md §2.7: head-wise gate after XSA, before W_o
-            gate = 2.0 * jax.nn.sigmoid((a @ self.w_gate.astype(dtype)).astype(F32))
+            gate = 2.0 * jax.nn.sigmoid(linear(a, self.w_gate.astype(dtype)).astype(F32))
             y = (y.astype(F32) * gate[..., None]).astype(dtype)
-        return y.reshape(B, S, H * Dh) @ self.w_o.astype(dtype)
+        return linear(y.reshape(B, S, H * Dh), self.w_o.astype(dtype))
 
     def _xla_attention(
         self,

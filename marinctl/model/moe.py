@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from marinctl.model.layers import F32, RMSNorm
+from marinctl.model.layers import F32, RMSNorm, linear
 from marinctl.recipe import MoEConfig
 from marinctl.routing.quantile_balance import quantile_beta, router_margins
 from marinctl.routing.transports import get_transport
@@ -65,9 +65,13 @@ class SharedExperts(eqx.Module):
 
     def __call__(self, m: Float[Array, "t d"]) -> Float[Array, "t d"]:
         dtype = m.dtype
-        g = jnp.einsum("td,ndi->tni", m, self.w_gate.astype(dtype))
-        u = jnp.einsum("td,ndi->tni", m, self.w_up.astype(dtype))
-        return jnp.einsum("tni,nid->td", jax.nn.silu(g) * u, self.w_down.astype(dtype))
+        n, d, i = self.w_gate.shape  # the n experts side by side: one [d, n·i] and one [n·i, d] product each
+
+        def wide(w: Array) -> Array:
+            return jnp.swapaxes(w, 0, 1).reshape(d, n * i).astype(dtype)
+
+        hidden = jax.nn.silu(linear(m, wide(self.w_gate))) * linear(m, wide(self.w_up))
+        return linear(hidden, self.w_down.reshape(n * i, d).astype(dtype))
 
 
 class LatentMoE(eqx.Module):
@@ -89,12 +93,12 @@ class LatentMoE(eqx.Module):
         self, m: Float[Array, "t d"], router_bias: Float[Array, " e"], valid: Bool[Array, " t"]
     ) -> tuple[Float[Array, "t d"], dict[str, Array]]:
         moe, dtype = self.config, m.dtype
-        logits = m.astype(F32) @ self.router  # router in fp32 (docs/recipe.md §2.10 step 1)
+        logits = linear(m.astype(F32), self.router)  # router in fp32 (docs/recipe.md §2.10 step 1)
         routing = route(logits, router_bias, moe)
 
         u = m
         if self.latent_down is not None:
-            u = m @ self.latent_down.astype(dtype)
+            u = linear(m, self.latent_down.astype(dtype))
             if self.latent_norm is not None:
                 u = self.latent_norm(u).astype(dtype)
         e = self.experts
@@ -111,7 +115,7 @@ class LatentMoE(eqx.Module):
         )
         out = y.astype(dtype)
         if self.latent_up is not None:
-            out = out @ self.latent_up.astype(dtype)
+            out = linear(out, self.latent_up.astype(dtype))
         if self.shared is not None:
             out = out + self.shared(m)
 

@@ -31,6 +31,7 @@ from marinctl.model.moe import Experts, LatentMoE, SharedExperts
 from marinctl.params import ParamSpec, param_table, tree_paths
 from marinctl.recipe import Recipe
 
+UNROLL_MAX_LAYERS = 8  # without remat, models this shallow run their layers unrolled (`features`)
 BLOCK_INPUT = "block_input"  # checkpoint_name of each scanned block's input (the residual "offload" moves)
 
 REMAT_POLICIES = {
@@ -193,9 +194,13 @@ class Transformer(eqx.Module):
         # kinds' residuals (the global S² ones included) for every layer (+10% tokens/s on the tiny recipe at
         # seq 256, +32% at 1024). With remat only the block inputs are saved, so one scan over all layers
         # with the cond inside keeps XLA's schedule — and the memory planner's figures — as they are.
+        # A model of at most UNROLL_MAX_LAYERS layers without remat runs its layers as straight-line code:
+        # the scan's stacked residual buffers (zero-filled, written and read by dynamic slices) cost the tiny
+        # recipe ~9% of its step, more than the few extra layer bodies cost to compile.
         L = len(self.layer_is_global)
         period, runs = layer_runs(self.layer_is_global) if self.remat == "none" else (L, [(0, L, None)])
         layers = {kind: layer_of(kind) for kind in {kind for _, _, kind in runs}}
+        unroll = self.remat == "none" and L <= UNROLL_MAX_LAYERS
 
         def group(x, inputs):  # one period of the layer pattern: a scan per run of same-kind layers
             stats = []
@@ -207,7 +212,13 @@ class Transformer(eqx.Module):
 
         inputs = (self.blocks, self.layer_facts(), router_bias)
         groups = L // period
-        if groups == 1:
+        if unroll:
+            stats = []
+            for i, kind in enumerate(self.layer_is_global):
+                x, layer_stats = layers[kind](x, jax.tree.map(lambda a, i=i: a[i], inputs))
+                stats.append(layer_stats)
+            stats = jax.tree.map(lambda *s: jnp.stack(s), *stats)
+        elif groups == 1:
             x, stats = group(x, inputs)
         else:  # [L, ...] -> [G, P, ...]: an outer scan over the pattern's repeats, stats back to [L, ...]
             grouped = jax.tree.map(lambda a: a.reshape(groups, period, *a.shape[1:]), inputs)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from marinctl.model.layers import GatedNorm, RMSNorm, ShortConv, normalize, rms_norm, shard_batch
+from marinctl.model.layers import GatedNorm, RMSNorm, ShortConv, linear, normalize, rms_norm, shard_batch
 from marinctl.recipe import ParallelConfig
 from marinctl.routing.mesh import make_mesh
 
@@ -22,6 +22,23 @@ def np_silu(x):
 
 def np_sigmoid(x):
     return 1 / (1 + np.exp(-x))
+
+
+def test_linear_gives_the_product_and_autodiffs_gradients_for_any_leading_axes():
+    """`linear` only moves where XLA fuses its backward: value and both gradients equal plain `x @ w`'s."""
+    w = jnp.asarray(RNG.normal(size=(16, 8)).astype(np.float32))
+    for shape in [(5, 16), (2, 3, 16)]:
+        x = jnp.asarray(RNG.normal(size=shape).astype(np.float32))
+
+        def loss(f, x, w):  # a nonlinear consumer, as the norms and gates downstream of every projection
+            return jnp.sum(jnp.tanh(f(x, w)) * jnp.arange(8.0))
+
+        ours = jax.jit(jax.value_and_grad(lambda x, w: loss(linear, x, w), argnums=(0, 1)))(x, w)
+        ref = jax.jit(jax.value_and_grad(lambda x, w: loss(jnp.matmul, x, w), argnums=(0, 1)))(x, w)
+        np.testing.assert_allclose(np.asarray(linear(x, w)), np.asarray(x) @ np.asarray(w), rtol=1e-5, atol=1e-5)
+        for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref), strict=True):
+            assert a.shape == b.shape
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 def test_rms_norm_with_gain_matches_numpy_in_fp32():

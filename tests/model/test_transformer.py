@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from marinctl.counting import count_params
+from marinctl.model import transformer
 from marinctl.model.attention import UNBOUNDED_WINDOW
 from marinctl.model.loss import model_loss
 from marinctl.model.transformer import build_model, document_positions, init_model, layer_runs, model_params
@@ -204,12 +205,20 @@ def test_remat_policy_gives_the_same_loss_and_gradients_as_no_remat(small_recipe
 
 
 @pytest.mark.parametrize(
-    ("layers", "runs"),
-    [(4, [(0, 3, False), (3, 4, True)]), (8, [(0, 3, False), (3, 4, True)])],  # one period; two (outer scan)
+    ("layers", "runs", "unroll_max"),
+    [
+        (4, [(0, 3, False), (3, 4, True)], 8),  # unrolled: straight-line layers
+        (4, [(0, 3, False), (3, 4, True)], 0),  # one period of scans
+        (8, [(0, 3, False), (3, 4, True)], 0),  # two periods: an outer scan over the scans
+    ],
 )
-def test_scans_of_same_kind_layers_equal_one_scan_with_a_cond_between_kinds(small_recipe, layers, runs):
-    """remat "none" scans each run of local (global) layers with the kind static; "full" keeps one scan over
-    every layer with a `lax.cond` on the kind (transformer.layer_runs). Same loss, stats and gradients."""
+def test_scans_of_same_kind_layers_equal_one_scan_with_a_cond_between_kinds(
+    small_recipe, layers, runs, unroll_max, monkeypatch
+):
+    """remat "none" scans each run of local (global) layers with the kind static (or, at most
+    UNROLL_MAX_LAYERS layers, unrolls them); "full" keeps one scan over every layer with a `lax.cond` on the
+    kind (transformer.layer_runs). Same loss, stats and gradients."""
+    monkeypatch.setattr(transformer, "UNROLL_MAX_LAYERS", unroll_max)
     recipe = replace(replace(small_recipe, "model", num_layers=layers), "attention", global_every=4)
     assert layer_runs(recipe.layer_is_global()) == (4, runs)
     model = init_model(recipe, KEY)
