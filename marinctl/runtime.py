@@ -23,7 +23,15 @@ log = logging.getLogger(__name__)
 # run (exit 134, 5 of 6 tiny-recipe runs on data 2 x expert 4). The memory-minimizing DFS schedule keeps one
 # collective order on every device; the flag only touches XLA:CPU compilation, so GPU programs are unchanged.
 # tests/faults/test_collectives.py repeats the failing pattern to hold this in place.
-CPU_DEFAULT_XLA_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
+#
+# [speed, issue 10] Matrix products through XLA:CPU's own (Eigen) dot emitter instead of YNNPACK library
+# fusions. YNNPACK runs a batched dot one small matrix after another on one core: Newton-Schulz's
+# [64, 128, 128] stacks, attention's per-head products and the expert tiles ran at ~30 GFLOP/s against a
+# ~120 GFLOP/s machine peak. Eigen spreads them over the cores: +15-30% tokens/s on the tiny and
+# MaxText-shape steps (bench/README.md). One 1024² product is ~10% faster through YNNPACK, so the MFU
+# peak is measured both ways and the faster counts (`marinctl.train.metrics.measure_matmul_peak`).
+YNN_DOTS_OFF = "--xla_cpu_experimental_ynn_fusion_type=-dot,-individual_dot"
+CPU_DEFAULT_XLA_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false", YNN_DOTS_OFF)
 
 
 def apply_runtime(runtime: RuntimeConfig) -> None:

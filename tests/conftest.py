@@ -4,12 +4,16 @@ import json
 import os
 import sys
 
+from marinctl.runtime import CPU_DEFAULT_XLA_FLAGS
+
 os.environ.setdefault("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
-# The CPU default `marinctl` applies (marinctl/runtime.py CPU_DEFAULT_XLA_FLAGS), for in-process runs too.
-if "--xla_cpu_enable_concurrency_optimized_scheduler" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_cpu_enable_concurrency_optimized_scheduler=false"
+# The CPU defaults `marinctl` applies (marinctl/runtime.py CPU_DEFAULT_XLA_FLAGS), for in-process runs too, so
+# in-process results equal a `marinctl` subprocess's (marinctl.runtime imports no JAX).
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ["XLA_FLAGS"], *(f for f in CPU_DEFAULT_XLA_FLAGS if f.split("=", 1)[0] not in os.environ["XLA_FLAGS"])]
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("NO_COLOR", "1")
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from marinctl.runtime import YNN_DOTS_OFF
+
 REPO = Path(__file__).resolve().parents[2]
 SOAK = Path(__file__).with_name("collective_soak.py")
 
@@ -36,7 +38,20 @@ def test_cpu_default_disables_the_concurrency_optimized_scheduler(monkeypatch):
     assert "--xla_cpu_enable_concurrency_optimized_scheduler=false" in os.environ["XLA_FLAGS"].split()
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_scheduler=true")
     apply_runtime(RuntimeConfig())  # an explicit setting wins
-    assert os.environ["XLA_FLAGS"].split() == ["--xla_cpu_enable_concurrency_optimized_scheduler=true"]
+    assert os.environ["XLA_FLAGS"].split() == ["--xla_cpu_enable_concurrency_optimized_scheduler=true", YNN_DOTS_OFF]
+
+
+def test_cpu_default_sends_dots_to_xla_unless_the_environment_or_recipe_says_otherwise(monkeypatch):
+    from marinctl.recipe import RuntimeConfig
+    from marinctl.runtime import apply_runtime
+
+    monkeypatch.setenv("XLA_FLAGS", "")
+    apply_runtime(RuntimeConfig())
+    assert YNN_DOTS_OFF in os.environ["XLA_FLAGS"].split()
+    mine = "--xla_cpu_experimental_ynn_fusion_type=-dot"
+    monkeypatch.setenv("XLA_FLAGS", "")
+    apply_runtime(RuntimeConfig(xla_flags=(mine,)))  # the recipe's own value wins over the default
+    assert os.environ["XLA_FLAGS"].split() == [mine, "--xla_cpu_enable_concurrency_optimized_scheduler=false"]
 
 
 @pytest.mark.parametrize("run", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow),

@@ -15,6 +15,7 @@ from marinctl.model.attention import (
     LayerFacts,
     attention_mask,
     banded_attention,
+    causal_blocks,
     exclusive_self_attention,
     expand_kv,
     full_attention,
@@ -324,6 +325,39 @@ def test_full_attention_with_broadcast_kv_equals_the_gathered_oracle(window):
     seg = packed_segments(17, seed=3)
     out = jax.jit(lambda q, k, v: full_attention(q, k, v, seg, jnp.asarray(window)))(q, k, v)
     np.testing.assert_allclose(np.asarray(out), np.asarray(oracle(q, k, v, seg, window)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "seq, kv, window, blocks",
+    [(23, 2, UNBOUNDED_WINDOW, 3), (24, 1, UNBOUNDED_WINDOW, 4), (17, 2, 5, 2), (256, 2, UNBOUNDED_WINDOW, None)],
+    ids=["blocks do not divide seq", "one KV head", "window inside the blocks", "default blocks at S=256"],
+)
+def test_causal_blocked_full_attention_and_its_gradients_equal_the_masked_softmax_oracle(seq, kv, window, blocks):
+    """The global path skips the key blocks above the diagonal; value and gradients equal the full square's."""
+    q, k, v = qkv(seq, kv, seed=5)
+    seg = packed_segments(seq, seed=6)
+    cot = jnp.asarray(np.random.default_rng(7).normal(size=q.shape).astype(np.float32))
+
+    def run(fn):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, vjp(cot)
+
+    out, grads = run(jax.jit(lambda q, k, v: full_attention(q, k, v, seg, jnp.asarray(window), blocks)))
+    ref, ref_grads = run(jax.jit(lambda q, k, v: oracle(q, k, v, seg, window)))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    for g, r in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5)
+
+
+def test_causal_blocks_skip_the_upper_triangle_at_training_lengths():
+    assert [causal_blocks(s) for s in (128, 255, 256, 512, 1024, 4096)] == [1, 1, 4, 4, 8, 8]
+    seq = 512
+    q, k, v = qkv(seq, 1, batch=1)
+    seg = jnp.ones((1, seq), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda q, k, v: full_attention(q, k, v, seg, jnp.asarray(UNBOUNDED_WINDOW)))(q, k, v)
+    scores = [e.aval.shape for eqn in jaxpr.jaxpr.eqns if eqn.primitive.name == "dot_general" for e in eqn.outvars]
+    key_lengths = sorted(shape[-1] for shape in scores if shape[-1] != 8)  # [b, h, q, keys]; 8 = head_dim
+    assert key_lengths == [128, 256, 384, 512]  # 10 of 16 blocks of the square
 
 
 def test_banded_attention_never_builds_a_sequence_squared_score_matrix():

@@ -58,6 +58,16 @@ def test_measured_cpu_peak_is_plausible():
     assert 1e8 < peak * len(jax.devices()) < 1e13  # a host does 0.1 GFLOP/s .. 10 TFLOP/s of f32 matmul
 
 
+def test_the_peak_times_ynnpack_dots_that_the_step_runs_without():
+    """The step's flags (conftest mirrors marinctl.runtime) keep dots out of YNNPACK; the peak's second variant
+    puts them back, so the MFU denominator is the faster of the two ways (marinctl/runtime.py)."""
+    from marinctl.train.metrics import CPU_PEAK_VARIANTS
+
+    lowered = jax.jit(lambda a: a @ a).lower(jax.numpy.ones((64, 64)))
+    assert "__ynn_fusion" not in lowered.compile().as_text()
+    assert "__ynn_fusion" in lowered.compile(compiler_options=CPU_PEAK_VARIANTS[1]).as_text()
+
+
 def test_records_are_json_lines_with_arrays_as_lists(tmp_path):
     import numpy as np
 
