@@ -82,12 +82,14 @@ def maxtext_command(venv: Path, out_dir: str, steps: int) -> list[str]:
     ]
 
 
-def run_maxtext(venv: Path, steps: int, warmup: int) -> list[float]:
-    """Tokens/s of each MaxText step >= warmup."""
+def run_maxtext(venv: Path, steps: int, warmup: int, xla_flags: str = "") -> list[float]:
+    """Tokens/s of each MaxText step >= warmup (under `xla_flags`, default none: MaxText's own XLA defaults)."""
     with tempfile.TemporaryDirectory(prefix="maxtext-") as out:
         env = {**os.environ, "DECOUPLE_GCLOUD": "TRUE", "JAX_PLATFORMS": "cpu"}
         env.pop("PYTHONPATH", None)  # marinctl's path must not leak into MaxText's interpreter
         env.pop("XLA_FLAGS", None)
+        if xla_flags:
+            env["XLA_FLAGS"] = xla_flags
         proc = subprocess.run(maxtext_command(venv, out, steps), env=env, capture_output=True, text=True)
     found = [(int(m[1]), float(m[2]), float(m[3])) for m in STEP_LINE.finditer(proc.stdout + proc.stderr)]
     if proc.returncode != 0 or not found:
@@ -121,25 +123,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transport", default="ragged", help="marinctl moe.transport (dropless: ragged, dense)")
     parser.add_argument("--data-root", default=None, help="marinctl data.root (built-in corpus built there if absent)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="extra marinctl overrides")
+    parser.add_argument(
+        "--maxtext-same-flags",
+        action="store_true",
+        help="also run MaxText under marinctl's CPU default XLA flags (marinctl/runtime.py) and report both",
+    )
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
 
+    sys.path.insert(0, str(REPO))
+    from marinctl.runtime import CPU_DEFAULT_XLA_FLAGS
+
     ours: list[float] = []
-    theirs: list[float] = []
+    theirs: dict[str, list[float]] = {"": []}
+    if args.maxtext_same_flags:
+        theirs[" ".join(CPU_DEFAULT_XLA_FLAGS)] = []
     for r in range(args.rounds):
         t = time.perf_counter()
         ours += run_marinctl(args.steps, args.warmup, args.transport, args.data_root, args.overrides)
         print(f"round {r + 1}: marinctl done in {time.perf_counter() - t:.0f} s", file=sys.stderr)
-        t = time.perf_counter()
-        theirs += run_maxtext(args.maxtext_venv, args.steps, args.warmup)
-        print(f"round {r + 1}: MaxText done in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+        for flags, tokens in theirs.items():
+            t = time.perf_counter()
+            tokens += run_maxtext(args.maxtext_venv, args.steps, args.warmup, flags)
+            print(f"round {r + 1}: MaxText {flags or '(its defaults)'} done in {time.perf_counter() - t:.0f} s",
+                  file=sys.stderr)  # fmt: skip
 
-    a, b = statistics.median(ours), statistics.median(theirs)
+    a = statistics.median(ours)
     print(f"shapes: {json.dumps(SHAPES)}; marinctl transport {args.transport}; medians over steps >= {args.warmup}")
     print(f"marinctl  {a:10,.0f} tokens/s  ({len(ours)} steps; hyperball optimizer, {args.transport} dropless)")
-    print(f"MaxText   {b:10,.0f} tokens/s  ({len(theirs)} steps; AdamW, ragged_dot dropless)")
-    print(f"ratio     {a / b:10.2f}x  (marinctl / MaxText)")
+    for flags, tokens in theirs.items():
+        b = statistics.median(tokens)
+        how = f"XLA_FLAGS={flags}" if flags else "its default XLA flags"
+        print(f"MaxText   {b:10,.0f} tokens/s  ({len(tokens)} steps; AdamW, ragged_dot dropless; {how})")
+        print(f"ratio     {a / b:10.2f}x  (marinctl / MaxText)")
     return 0
 
 
