@@ -4,16 +4,9 @@ import json
 import os
 import sys
 
-from marinctl.runtime import CPU_DEFAULT_XLA_FLAGS
-
 os.environ.setdefault("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
-# The CPU defaults `marinctl` applies (marinctl/runtime.py CPU_DEFAULT_XLA_FLAGS), for in-process runs too, so
-# in-process results equal a `marinctl` subprocess's (marinctl.runtime imports no JAX).
-os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ["XLA_FLAGS"], *(f for f in CPU_DEFAULT_XLA_FLAGS if f.split("=", 1)[0] not in os.environ["XLA_FLAGS"])]
-)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("NO_COLOR", "1")
 
@@ -26,6 +19,13 @@ import time
 from pathlib import Path
 
 import pytest
+
+from marinctl.recipe import RuntimeConfig
+from marinctl.runtime import apply_runtime
+
+# The CPU defaults `marinctl` applies, merged by the same rule, for in-process runs too, so in-process results
+# equal a `marinctl` subprocess's (none of the imports above starts JAX).
+apply_runtime(RuntimeConfig())
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
