@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     import numpy as np
 
     from marinctl.routing import transports as T
+    from marinctl.train.metrics import measure_matmul_peak
 
     E, d, width = args.experts, args.hidden, args.width
     rows = args.tokens * args.top_k
@@ -80,14 +81,13 @@ def main(argv: list[str] | None = None) -> None:
     x = jnp.asarray(rng.normal(size=(rows, d)), jnp.float32)
     expert = jnp.asarray(np.sort(rng.integers(0, E, size=rows)), jnp.int32)  # uniform routing, sorted
     counts = jnp.bincount(expert, length=E).astype(jnp.int32)
-    rank = jnp.arange(rows, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[expert]
+    rank = T._rank_within_group(expert, E)
     flops = 3 * (3 * 2 * rows * d * width)  # three products, forward + two backward products each
     print(f"jax {jax.__version__}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     print(f"E {E}, rows {rows} ({rows / E:.0f}/expert, fullest {int(counts.max())}), d {d}, I {width}")
 
-    def report(name: str, layer: Callable) -> None:
+    def report(name: str, layer: Callable, repeats: int = args.repeats) -> None:
         loss = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(layer(*a) ** 2), argnums=(0, 1, 2, 3)))
-        repeats = 2 if "ragged_dot" in name else args.repeats
         seconds = _time(loss, x, *weights, repeats=repeats)
         print(f"  {name:34s} {seconds * 1e3:8.1f} ms  {flops / seconds / 1e9:6.1f} GFLOP/s", flush=True)
 
@@ -121,27 +121,28 @@ def main(argv: list[str] | None = None) -> None:
             hidden = jax.nn.silu(jax.lax.ragged_dot(x, wg, counts)) * jax.lax.ragged_dot(x, wu, counts)
             return jax.lax.ragged_dot(hidden, wd, counts)
 
-        report("jax.lax.ragged_dot", ragged)
+        report("jax.lax.ragged_dot", ragged, repeats=2)  # ~1 s a call on CPU
 
     print("\nsingle f32 products (best of the repeats):")
     e_mean = rows // E
-    # (name, lhs shape, rhs shape, einsum, contracted size)
-    shapes: list[tuple[str, tuple[int, ...], tuple[int, ...], str, int]] = [
+    # (name, lhs shape, rhs shape or None for the lhs itself, einsum, contracted size)
+    shapes: list[tuple[str, tuple[int, ...], tuple[int, ...] | None, str, int]] = [
         (f"all rows x one expert [{rows},{d}]@[{d},{width}]", (rows, d), (d, width), "ij,jk->ik", d),
         (f"down [{rows},{width}]@[{width},{d}]", (rows, width), (width, d), "ij,jk->ik", width),
         (f"weight grad [{rows},{d}]^T@[{rows},{width}]", (rows, d), (rows, width), "ji,jk->ik", rows),
         (f"batched {E}x[{e_mean},{d}]@[{d},{width}]", (E, e_mean, d), (E, d, width), "enl,eli->eni", d),
-        ("Newton-Schulz Gram 64x[128,256]@T", (64, 128, 256), (64, 128, 256), "bij,bkj->bik", 256),
-        ("1024^2 (the MFU peak's product)", (1024, 1024), (1024, 1024), "ij,jk->ik", 1024),
+        ("Newton-Schulz Gram 64x[128,256]@T", (64, 128, 256), None, "bij,bkj->bik", 256),
     ]
     for name, a_shape, b_shape, spec, contraction in shapes:
         a = jnp.asarray(rng.normal(size=a_shape), jnp.float32)
-        b = a if a_shape == b_shape and "Gram" in name else jnp.asarray(rng.normal(size=b_shape), jnp.float32)
+        b = a if b_shape is None else jnp.asarray(rng.normal(size=b_shape), jnp.float32)
         product = jax.jit(lambda a, b, spec=spec: jnp.einsum(spec, a, b))
         out_shape = jax.eval_shape(product, a, b).shape
         n_flops = 2 * int(np.prod(out_shape)) * contraction
         seconds = _time(product, a, b, repeats=args.repeats)
         print(f"  {name:44s} {seconds * 1e3:7.2f} ms  {n_flops / seconds / 1e9:6.1f} GFLOP/s", flush=True)
+    peak = measure_matmul_peak(jax.devices()[:1])  # the MFU denominator `marinctl train` uses
+    print(f"  {'the trainer MFU peak (1024^2, faster of 2)':44s} {'':10s} {peak / 1e9:6.1f} GFLOP/s")
 
 
 if __name__ == "__main__":
