@@ -240,6 +240,7 @@ class LogConfig:
 class RuntimeConfig:
     env: dict[str, str] = _f({}, doc="environment variables set before JAX starts")
     xla_flags: tuple[str, ...] = _f((), doc="appended to XLA_FLAGS before JAX starts")
+    precompile: bool = _f(True, doc="compile the schedule's later train and eval steps on a background thread")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ and re-run ends bitwise equal to an uninterrupted one on the same devices.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import math
 import os
@@ -33,6 +34,7 @@ from marinctl.errors import EXIT_OK, EXIT_PREEMPTED, UserError
 from marinctl.recipe import Recipe, load_recipe, recipe_to_dict, recipe_to_toml
 from marinctl.stage import console
 from marinctl.train.distributed import DistributedConfig
+from marinctl.train.precompile import Precompiler
 
 log = logging.getLogger(__name__)
 
@@ -301,11 +303,16 @@ class _Run:
                 self._compiled: dict[tuple, Any] = {}
                 self._eval_steps: dict[tuple, Any] = {}
                 self._shardings = shardings
+                self.precompiler = Precompiler(self.mesh, [])
                 self.eval_step = compile_eval_step(recipe, shardings.model, self.batch_sharding)
                 if restored is None:
                     self.monitor.start(jax.device_get(compile_param_norms(recipe, shardings)(state)))
                 state = self._enter(segment_at(self.segments, start), state)
                 compile_s = time.perf_counter() - t0
+                # The schedule's later steps compile on a background thread while this one trains (after
+                # this compile, so the first step is not kept waiting: precompile.py).
+                if recipe.runtime.precompile:
+                    self.precompiler = Precompiler(self.mesh, self._schedule_compiles(start))
 
             self.hp = hyperparams(recipe)
             self.flops = flops_per_token(recipe)
@@ -331,6 +338,8 @@ class _Run:
             )
             state = self._loop(state, start, summary)
         finally:
+            if hasattr(self, "precompiler"):
+                self.precompiler.close()  # the compile in flight finishes before the process exits
             disk_full = None
             try:
                 self.checkpoints.wait()
@@ -579,18 +588,59 @@ class _Run:
         restore does: weights, optimizer state, QB bias, step and RNG pass through untouched. The segment's
         optimizer is numerically the base one (tokens per step, total tokens and width are unchanged)."""
         from marinctl.train.checkpoint import flatten_state, unflatten_like
-        from marinctl.train.state import abstract_state, make_optimizer, state_shardings, with_shardings
-        from marinctl.train.step import compile_train_step
 
         key = segment.shape_key
         if key not in self._compiled:
-            optimizer = make_optimizer(segment.recipe)
-            shardings = state_shardings(segment.recipe, optimizer, self.mesh)
-            abstract = with_shardings(abstract_state(segment.recipe, optimizer), shardings)
-            step = compile_train_step(segment.recipe, optimizer, shardings, self.batch_sharding)
-            self._compiled[key] = (step, shardings, abstract)
+            self._compiled[key] = self.precompiler.get(("train", key), lambda: self._build_step(segment.recipe))
         self.train_step, self._shardings, abstract = self._compiled[key]
         return unflatten_like(abstract, flatten_state(state))
+
+    def _build_step(self, recipe: Recipe) -> tuple[Callable, Any, Any]:
+        """A segment's compiled train step, its state shardings and its abstract state."""
+        from marinctl.train.state import abstract_state, make_optimizer, state_shardings, with_shardings
+        from marinctl.train.step import compile_train_step
+
+        optimizer = make_optimizer(recipe)
+        shardings = state_shardings(recipe, optimizer, self.mesh)
+        abstract = with_shardings(abstract_state(recipe, optimizer), shardings)
+        return compile_train_step(recipe, optimizer, shardings, self.batch_sharding), shardings, abstract
+
+    def _eval_contexts(self, current: Recipe) -> list[Recipe]:
+        """The recipes a dropless eval runs after training `current`'s segment: its own context and, after
+        an extension, the run's first one (see `_evaluate_across_context`)."""
+        from marinctl.schedule import at_context
+
+        first = self.recipe.train.seq_len
+        return [current] if current.train.seq_len == first else [current, at_context(current, first)]
+
+    def _build_eval_step(self, recipe: Recipe, segment_recipe: Recipe) -> Callable:
+        """An eval step for `recipe` over the model structure of `segment_recipe`'s segment."""
+        from marinctl.train.evaluate import compile_eval_step
+        from marinctl.train.state import make_optimizer, state_shardings
+
+        shardings = state_shardings(segment_recipe, make_optimizer(segment_recipe), self.mesh)
+        return compile_eval_step(recipe, shardings.model, self.batch_sharding)
+
+    def _schedule_compiles(self, start: int) -> list[tuple[tuple, Callable[[], Any]]]:
+        """What the schedule will compile after `start`, in the order the run needs it: each later
+        segment's train step, then the eval steps of its contexts (the base eval step excepted)."""
+        from marinctl.schedule import segment_at
+
+        base = (self.recipe.train, self.recipe.attention, self.recipe.moe)
+        current = segment_at(self.segments, start)
+        jobs, seen = [], {("train", current.shape_key), ("eval", base)}
+        for segment in self.segments:
+            if segment.stop <= start:
+                continue
+            if ("train", segment.shape_key) not in seen:
+                seen.add(("train", segment.shape_key))
+                jobs.append((("train", segment.shape_key), functools.partial(self._build_step, segment.recipe)))
+            for recipe in self._eval_contexts(segment.recipe):
+                key = ("eval", (recipe.train, recipe.attention, recipe.moe))
+                if key not in seen:
+                    seen.add(key)
+                    jobs.append((key, functools.partial(self._build_eval_step, recipe, segment.recipe)))
+        return jobs
 
     def _transition(self, segment, state, display):
         """At a change's first step: log a `"kind": "change"` record, switch to that segment's step."""
@@ -624,19 +674,18 @@ class _Run:
         """Dropless eval at the context of the last trained step, labelled with its `seq_len`; after an
         extension also at the run's first context as `<key>@<S0>` (the hero re-evaluated every checkpoint
         at 4k), so both curves continue across the change."""
-        from marinctl.schedule import at_context, segment_at
+        from marinctl.schedule import segment_at
         from marinctl.train.evaluate import compile_eval_step
 
         current = segment_at(self.segments, max(step - 1, 0)).recipe
         first = self.recipe.train.seq_len
-        contexts = [current] if current.train.seq_len == first else [current, at_context(current, first)]
         out: dict[str, Any] = {"seq_len": current.train.seq_len}
-        for recipe in contexts:
+        for recipe in self._eval_contexts(current):
             key = (recipe.train, recipe.attention, recipe.moe)
             if key not in self._eval_steps:  # the model's structure is the segment's (self._shardings)
                 same = key == (self.recipe.train, self.recipe.attention, self.recipe.moe)
-                self._eval_steps[key] = self.eval_step if same else compile_eval_step(
-                    recipe, self._shardings.model, self.batch_sharding)  # fmt: skip
+                build = functools.partial(compile_eval_step, recipe, self._shardings.model, self.batch_sharding)
+                self._eval_steps[key] = self.eval_step if same else self.precompiler.get(("eval", key), build)
             result = evaluate(
                 self._eval_steps[key],
                 state.model,

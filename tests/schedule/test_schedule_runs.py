@@ -1,7 +1,8 @@
 """The run as a schedule, trained (micro recipe, 8 CPU devices, data 4 x expert 2): the issue's key proofs.
 
 - the uninterrupted scheduled run: every step once with its segment's shape and transport, a change record
-  at each transition, ragged drops nothing, eval at both contexts, dashed lines on the plots;
+  at each transition, ragged drops nothing, eval at both contexts, dashed lines on the plots; bitwise the
+  same with its later steps compiled at each transition instead of on the background thread;
 - killed right after a transition (a crash after the checkpoint that lands on the extension) and re-run:
   bitwise equal to the uninterrupted run;
 - a switch to the same transport is a bitwise no-op;
@@ -12,6 +13,7 @@
 - every bad input of the stages: one line, exit 2, the run directory unchanged.
 All runs are in-process and share one XLA cache, so each distinct step program compiles once."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -90,6 +92,17 @@ def test_the_scheduled_run_trains_every_step_with_its_segments_shape(reference):
     assert {"macro_loss", "macro_loss@32", "loss@32/docs_val", "bpb@32/code_val"} <= set(last)
     assert last["macro_loss@32"] < evals[0]["macro_loss"] - 0.1  # the first-context curve goes on falling
     assert {p.name for p in reference.glob("*.png")} >= {"loss.png", "routing.png"}
+
+
+def test_compiling_at_each_transition_instead_of_in_the_background_is_bitwise_equal(recipes, reference, tmp_path):
+    """The reference compiles its later segments' steps on the precompile thread; `runtime.precompile =
+    false` compiles each at its transition, in the loop: the same programs, the same run."""
+    recipe = load_recipe(recipes["scheduled"])
+    recipe = dataclasses.replace(recipe, runtime=dataclasses.replace(recipe.runtime, precompile=False))
+    summary = run(recipe, RunOptions(run_dir=tmp_path, quiet=True))
+    assert summary.exit_reason == "done", summary.message
+    assert_bitwise(tmp_path, reference)
+    assert [r["macro_loss"] for r in records(tmp_path, "eval")] == [r["macro_loss"] for r in records(reference, "eval")]
 
 
 def test_killed_right_after_a_transition_and_rerun_is_bitwise_equal(recipes, reference, tmp_path):
