@@ -437,14 +437,10 @@ def _chunk_sizes(expected: float, largest: int) -> list[int]:
     return [*sizes, largest]
 
 
-def _expert_capacity(expected: float, largest: int, arriving: int, n_groups: int) -> int:
+def _expert_capacity(expected: float, largest: int) -> int:
     """Rows per expert of the batched expert product: 1.125× the expected rows (a multiple of 8), or the
-    largest possible count if that is smaller; rows past it run in the overflow tiles. 0 (tiles only)
-    when the overflow region, sized for the worst case of `arriving` rows, would outgrow the batched part:
-    both are zero-filled every step, and on a 2 × 4 CPU mesh (worst case 3.3× the batched rows) the
-    pair ran slower than the tiles alone (bench/README.md)."""
-    cap = min(largest, 8 * math.ceil(1.125 * expected / 8))
-    return cap if arriving - cap <= n_groups * cap else 0
+    largest possible count if that is smaller. Rows past it run in the overflow tiles."""
+    return min(largest, 8 * math.ceil(1.125 * expected / 8))
 
 
 def _max_tiles(rows: int, n_groups: int, block: int) -> int:
@@ -534,10 +530,8 @@ def _grouped_body(u, expert_idx, combine, valid, w_gate, w_up, w_down, *, moe: M
     unless the batch is that skewed. The experts run as one batched product over each expert's first
     `cap` rows (`_expert_capacity`, a little above the mean: `fixed`'s layout and rate), and the rows
     past it, if any, as a loop over the tiles that hold them (`_tiled_swiglu`), whose cost follows the
-    overflow whatever the skew. Where the worst-case overflow region would outgrow the batched part (an
-    expert shard on a mesh can receive S× its mean) `cap` is 0: the tile loop alone. No `lax.switch`
-    around the experts: under autodiff XLA:CPU ran a switch of batched products slower than either
-    branch alone (bench/README.md).
+    overflow whatever the skew. No `lax.switch` around the experts: under autodiff XLA:CPU ran a
+    switch of batched products slower than either branch alone (bench/README.md).
     """
     n_tokens, width = u.shape
     e_loc, S = w_gate.shape[0], shard.expert_size
@@ -563,6 +557,7 @@ def _grouped_body(u, expert_idx, combine, valid, w_gate, w_up, w_down, *, moe: M
     # Receiver: source s's chunk holds sent[s, me] rows, its counts for my experts in expert order, cut at the tail.
     mine = jax.lax.dynamic_slice_in_dim(gathered, me * e_loc, e_loc, axis=1)  # [source, local expert]
     mine = jnp.clip(sent[:, me][:, None] - _exclusive_cumsum(mine, axis=1), 0, mine)
+    block = _block_rows(n_assign / e_loc / 4)  # overflow tiles: a few rows per expert, when any
     u_rep = jnp.repeat(u, top_k, axis=0)  # assignment a = t·K + k reads u[t]
     weights = tuple(shard.vary(w) for w in (w_gate, w_up, w_down))
     # A slice carries at most one row per (token, expert) pair, and never more than the buffer. The wire
@@ -573,11 +568,9 @@ def _grouped_body(u, expert_idx, combine, valid, w_gate, w_up, w_down, *, moe: M
     # The experts: one batched product over each local expert's first `cap` rows, and a loop over the
     # tiles of the rows past it (none while no expert overflows: the loop then costs nothing).
     largest = min(S * min(chunks[-1], n_tokens), buffer_rows)  # one row per (token, expert) from each source
-    arriving = min(S * chunks[-1], buffer_rows)
-    cap = _expert_capacity(n_assign / e_loc, largest, arriving, e_loc)
-    block = _block_rows(n_assign / e_loc / (4 if cap else 1))  # overflow tiles hold a few rows per expert
+    cap = _expert_capacity(n_assign / e_loc, largest)
     overflow = jnp.maximum(mine.sum(axis=0) - cap, 0)
-    n_max = _max_tiles(max(arriving - cap, 0), e_loc, block)
+    n_max = _max_tiles(max(min(S * chunks[-1], buffer_rows) - cap, 0), e_loc, block)
     tile_group, used = _tile_groups(overflow, n_max, block)
     batched = e_loc * cap
 
@@ -634,10 +627,12 @@ def _grouped_body(u, expert_idx, combine, valid, w_gate, w_up, w_down, *, moe: M
     backward = pick([functools.partial(from_buffer, c) for c in chunks])
     plan = (branch, order, goes, dest, position, mine)
     x = _linear(forward, backward, u_rep, *plan)
-    out = _tiled_swiglu(x[batched:].reshape(n_max, block, width), tile_group, used, *weights).reshape(-1, width)
-    if cap:
-        batched_out = _local_experts(x[:batched].reshape(e_loc, cap, width), *weights)
-        out = jnp.concatenate([batched_out.reshape(batched, width), out])
+    out = jnp.concatenate(
+        [
+            _local_experts(x[:batched].reshape(e_loc, cap, width), *weights).reshape(batched, width),
+            _tiled_swiglu(x[batched:].reshape(n_max, block, width), tile_group, used, *weights).reshape(-1, width),
+        ]
+    )
     y_assign = _linear(backward, forward, out, *plan)
     y = _combine(y_assign, combine, keep)
     receiver_drops = jnp.sum(valid_a) - jnp.sum(keep)
