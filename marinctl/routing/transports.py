@@ -437,12 +437,6 @@ def _chunk_sizes(expected: float, largest: int) -> list[int]:
     return [*sizes, largest]
 
 
-def _expert_capacity(expected: float, largest: int) -> int:
-    """Rows per expert of the batched expert product: 1.125× the expected rows (a multiple of 8), or the
-    largest possible count if that is smaller. Rows past it run in the overflow tiles."""
-    return min(largest, 8 * math.ceil(1.125 * expected / 8))
-
-
 def _max_tiles(rows: int, n_groups: int, block: int) -> int:
     """Tiles that any split of `rows` rows over `n_groups` groups can need: Σ ceil(c_g / block)."""
     return max(1, (rows + n_groups * (block - 1)) // block)
@@ -523,15 +517,11 @@ def _grouped_body(u, expert_idx, combine, valid, w_gate, w_up, w_down, *, moe: M
     Sender: assignments sorted by expert; the slice for expert shard d goes out padded to a static chunk
     in one dense all_to_all (none with one expert shard, where sender and receiver moves compose into
     one gather). Receiver: from the all-gathered counts it knows each arriving row's local expert and
-    places it among that expert's rows (source order, then the sender's order, as the ragged buffer
-    fills), runs the experts and sends the rows back the same way. Every move is a gather whose gradient
-    is a gather (`_linear`). The chunk comes from a few static sizes chosen by the fullest slice in the
-    expert group, so the wire is not sized by the worst case (every token of every sender to one shard)
-    unless the batch is that skewed. The experts run as one batched product over each expert's first
-    `cap` rows (`_expert_capacity`, a little above the mean: `fixed`'s layout and rate), and the rows
-    past it, if any, as a loop over the tiles that hold them (`_tiled_swiglu`), whose cost follows the
-    overflow whatever the skew. No `lax.switch` around the experts: under autodiff XLA:CPU ran a
-    switch of batched products slower than either branch alone (bench/README.md).
+    places it in that expert's tiles (source order, then the sender's order, as the ragged buffer fills),
+    runs the used tiles (`_tiled_swiglu`) and sends the rows back the same way. Every move is a gather
+    whose gradient is a gather (`_linear`). The chunk comes from a few static sizes chosen by the
+    fullest slice in the expert group, so neither the wire nor the tile loop is sized by the worst case
+    (every token of every sender to one shard) unless the batch is that skewed.
     """
     n_tokens, width = u.shape
     e_loc, S = w_gate.shape[0], shard.expert_size
@@ -557,26 +547,19 @@ def _grouped_body(u, expert_idx, combine, valid, w_gate, w_up, w_down, *, moe: M
     # Receiver: source s's chunk holds sent[s, me] rows, its counts for my experts in expert order, cut at the tail.
     mine = jax.lax.dynamic_slice_in_dim(gathered, me * e_loc, e_loc, axis=1)  # [source, local expert]
     mine = jnp.clip(sent[:, me][:, None] - _exclusive_cumsum(mine, axis=1), 0, mine)
-    block = _block_rows(n_assign / e_loc / 4)  # overflow tiles: a few rows per expert, when any
+    block = _block_rows(n_assign / e_loc)
     u_rep = jnp.repeat(u, top_k, axis=0)  # assignment a = t·K + k reads u[t]
     weights = tuple(shard.vary(w) for w in (w_gate, w_up, w_down))
     # A slice carries at most one row per (token, expert) pair, and never more than the buffer. The wire
-    # and the expert buffer are sized for the fullest slice in the expert group, from a few static sizes
+    # and the tile buffer are sized for the fullest slice in the expert group, from a few static sizes
     # (every member sees the same counts, so all take the same branch and meet in the same collectives).
     chunks = _chunk_sizes(n_assign / S, min(n_tokens * min(top_k, e_loc), buffer_rows)) if S > 1 else [n_assign]
     branch = jnp.sum(jnp.asarray(chunks[:-1], jnp.int32) < jnp.max(sent)).astype(jnp.int32)
-    # The experts: one batched product over each local expert's first `cap` rows, and a loop over the
-    # tiles of the rows past it (none while no expert overflows: the loop then costs nothing).
-    largest = min(S * min(chunks[-1], n_tokens), buffer_rows)  # one row per (token, expert) from each source
-    cap = _expert_capacity(n_assign / e_loc, largest)
-    overflow = jnp.maximum(mine.sum(axis=0) - cap, 0)
-    n_max = _max_tiles(max(min(S * chunks[-1], buffer_rows) - cap, 0), e_loc, block)
-    tile_group, used = _tile_groups(overflow, n_max, block)
-    batched = e_loc * cap
+    n_max = _max_tiles(min(S * chunks[-1], buffer_rows), e_loc, block)
+    tile_group, used = _tile_groups(mine.sum(axis=0), n_max, block)
 
     def layout(chunk: int, plan):
-        """Where my sorted rows sit on the wire (`chunk_slot`) and arriving rows in my expert buffer: the
-        batched part [e_loc, cap] first, then the overflow tiles."""
+        """Where my sorted rows sit on the wire (`chunk_slot`) and arriving rows in my tiles."""
         order, goes, dest, position, mine = plan
         chunk_slot_sorted = jnp.where(goes, dest * chunk + position, S * chunk).astype(jnp.int32)
         chunk_slot = jnp.zeros((n_assign,), jnp.int32).at[order].set(chunk_slot_sorted)
@@ -584,32 +567,23 @@ def _grouped_body(u, expert_idx, combine, valid, w_gate, w_up, w_down, *, moe: M
         local = jnp.sum(row[None, :, None] >= jnp.cumsum(mine, axis=1)[:, None, :], axis=2)  # e_loc: empty row
         local_c = jnp.minimum(local, e_loc - 1)
         within = row[None, :] - jnp.take_along_axis(_exclusive_cumsum(mine, axis=1), local_c, axis=1)
-        rank = (within + jnp.take_along_axis(_exclusive_cumsum(mine, axis=0), local_c, axis=1)).reshape(-1)
-        local = local.reshape(-1)
-        n_tiles = _max_tiles(max(min(S * chunk, buffer_rows) - cap, 0), e_loc, block)
-        over = rank >= cap
-        tile_slot, _ = _tile_slots(
-            jnp.where(over, local, e_loc), rank - cap, jnp.maximum(mine.sum(axis=0) - cap, 0), n_tiles, block
-        )
-        slot = jnp.where(
-            local == e_loc, batched + n_tiles * block, jnp.where(over, batched + tile_slot, local * cap + rank)
-        )
-        slot = slot.astype(jnp.int32)
-        rows = batched + n_tiles * block
-        return chunk_slot, slot, _inverse(slot, rows), rows
+        rank = within + jnp.take_along_axis(_exclusive_cumsum(mine, axis=0), local_c, axis=1)
+        n_tiles = _max_tiles(min(S * chunk, buffer_rows), e_loc, block)
+        slot, source = _tile_slots(local.reshape(-1), rank.reshape(-1), mine.sum(axis=0), n_tiles, block)
+        return chunk_slot, slot, source, n_tiles * block
 
-    def to_buffer(chunk: int, x: Float[Array, "A l"], plan) -> Float[Array, "M l"]:
-        """Assignment rows -> my expert buffer (zero rows up to the largest branch's size)."""
+    def to_tiles(chunk: int, x: Float[Array, "A l"], plan) -> Float[Array, "M l"]:
+        """Assignment rows -> my tile buffer (zero rows up to the largest branch's size)."""
         chunk_slot, _, source, rows = layout(chunk, plan)
         if S == 1:  # no exchange: sender and receiver moves compose into one gather
             x = _take(x, _take(_inverse(chunk_slot, chunk), source, fill=n_assign))
         else:
             send = _take(x, _inverse(chunk_slot, S * chunk)).reshape(S, chunk, width)
             x = _take(shard.all_to_all(send).reshape(S * chunk, width), source)
-        return jnp.pad(x, ((0, batched + n_max * block - rows), (0, 0)))
+        return jnp.pad(x, ((0, n_max * block - rows), (0, 0)))
 
-    def from_buffer(chunk: int, y: Float[Array, "M l"], plan) -> Float[Array, "A l"]:
-        """The transpose of `to_buffer`: buffer rows back to the assignments they came from (0 if dropped)."""
+    def from_tiles(chunk: int, y: Float[Array, "M l"], plan) -> Float[Array, "A l"]:
+        """The transpose of `to_tiles`: tile rows back to the assignments they came from (0 if dropped)."""
         chunk_slot, slot, _, rows = layout(chunk, plan)
         y = y[:rows]
         if S == 1:
@@ -623,17 +597,12 @@ def _grouped_body(u, expert_idx, combine, valid, w_gate, w_up, w_down, *, moe: M
 
         return run
 
-    forward = pick([functools.partial(to_buffer, c) for c in chunks])
-    backward = pick([functools.partial(from_buffer, c) for c in chunks])
+    forward = pick([functools.partial(to_tiles, c) for c in chunks])
+    backward = pick([functools.partial(from_tiles, c) for c in chunks])
     plan = (branch, order, goes, dest, position, mine)
     x = _linear(forward, backward, u_rep, *plan)
-    out = jnp.concatenate(
-        [
-            _local_experts(x[:batched].reshape(e_loc, cap, width), *weights).reshape(batched, width),
-            _tiled_swiglu(x[batched:].reshape(n_max, block, width), tile_group, used, *weights).reshape(-1, width),
-        ]
-    )
-    y_assign = _linear(backward, forward, out, *plan)
+    out = _tiled_swiglu(x.reshape(n_max, block, width), tile_group, used, *weights)
+    y_assign = _linear(backward, forward, out.reshape(n_max * block, width), *plan)
     y = _combine(y_assign, combine, keep)
     receiver_drops = jnp.sum(valid_a) - jnp.sum(keep)
     return y, _stats(shard, expert, valid_a, n_experts, 0, receiver_drops)
@@ -648,8 +617,8 @@ def ragged_transport(exchange: str | None = None) -> Transport:
     - "native": `jax.lax.ragged_all_to_all` + `jax.lax.ragged_dot` (GPU/TPU; lowered in CPU tests);
     - "emulated": the same body with the exchange emulated by a dense all_to_all: the CPU check of the
       native path's offsets (slow: CPU `ragged_dot` costs every group for every row);
-    - "grouped": the CPU's: sorted rows in a batched product up to a static per-expert capacity and a
-      loop over per-expert tiles past it; no exchange with one expert shard (`_grouped_body`).
+    - "grouped": the CPU's: sorted rows in per-expert tiles, a loop over the tiles that hold rows, no
+      exchange with one expert shard (`_grouped_body`).
     `None` picks by backend: "native" on GPU/TPU, "grouped" elsewhere. All give identical results.
     """
     if exchange is not None and exchange not in EXCHANGES:

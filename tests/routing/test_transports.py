@@ -15,7 +15,6 @@ from marinctl.recipe import MoEConfig
 from marinctl.routing.transports import (
     _capacity,
     _chunk_sizes,
-    _expert_capacity,
     _linear,
     _ragged_all_to_all_emulated,
     _Shard,
@@ -313,43 +312,6 @@ def test_grouped_ragged_equals_dense_in_every_exchange_branch(mesh_shape):
     assert stats["receiver_drops"] == 0 and stats["sender_drops"] == 0
     for label, got, want in zip(("u", "combine", "w_gate", "w_up", "w_down"), grads, grads_ref, strict=True):
         np.testing.assert_allclose(got, want, atol=3e-5, err_msg=f"d/d{label}")
-
-
-def hot_expert(seed: int, n_hot: int):
-    """Uniform routing, except that the first `n_hot` tokens all pick expert 0 (on expert shard 0)."""
-    x = problem(seed)
-    for t in range(n_hot):
-        if 0 not in x["expert_idx"][t]:
-            x["expert_idx"][t, 0] = 0
-    return x
-
-
-@pytest.mark.parametrize(("mesh_shape", "hot"), [(None, 150), ((1, 2, 4), 60)], ids=["no-mesh", "1x2x4"])
-def test_grouped_ragged_equals_dense_with_and_without_overflow_past_the_batched_capacity(mesh_shape, hot):
-    """Rows within each expert's static capacity run in the batched product, the rest in the overflow
-    tiles; both, and a batch with no overflow at all, give dense's result. On the mesh only shard 0's
-    expert 0 runs hot, so one receiver overflows while the others do not."""
-    blocks, block, S = shard_blocks(mesh_shape or (1, 1, 1))
-    moe = MoEConfig(num_experts=E, top_k=K)
-    cap = _expert_capacity(block * K * S / E, S * block)
-    for n_hot, overflows in ((0, False), (hot, True)):
-        x = hot_expert(6, n_hot)
-        fullest = 0  # rows of the fullest expert on any receiver (its expert group's tokens)
-        for group in {g for g, _, _ in blocks}:
-            tokens = [t for g, _, ts in blocks if g == group for t in ts]
-            fullest = max(fullest, np.bincount(x["expert_idx"][tokens][x["valid"][tokens]].ravel(), minlength=E).max())
-        assert (fullest > cap) == overflows, (fullest, cap)
-        y_ref, _, grads_ref = run("dense", x, moe)
-        y, stats, grads = run("ragged", x, moe, mesh_shape, ragged_transport("grouped"))
-        np.testing.assert_allclose(y, y_ref, atol=1e-5, err_msg=f"{n_hot} hot tokens")
-        assert stats["receiver_drops"] == 0
-        for label, got, want in zip(("u", "combine", "w_gate", "w_up", "w_down"), grads, grads_ref, strict=True):
-            np.testing.assert_allclose(got, want, atol=3e-5, err_msg=f"d/d{label}, {n_hot} hot tokens")
-
-
-def test_expert_capacity_is_a_little_above_the_mean_and_never_past_the_largest_count():
-    assert _expert_capacity(512, 4096) == 576
-    assert _expert_capacity(64, 70) == 70
 
 
 def test_chunk_sizes_start_above_the_expected_slice_and_end_at_the_largest():
