@@ -309,15 +309,16 @@ class _Run:
                     self.monitor.start(jax.device_get(compile_param_norms(recipe, shardings)(state)))
                 state = self._enter(segment_at(self.segments, start), state)
                 compile_s = time.perf_counter() - t0
-                # The schedule's later steps compile on a background thread while this one trains (after
-                # this compile, so the first step is not kept waiting: precompile.py).
-                if recipe.runtime.precompile:
-                    self.precompiler = Precompiler(self.mesh, self._schedule_compiles(start))
 
             self.hp = hyperparams(recipe)
             self.flops = flops_per_token(recipe)
             local = [d for d in self.devices if d.process_index == self.process_index]
             self.peak, peak_source = device_peak_flops(local)
+            # The schedule's later steps compile on a background thread while this one trains: after this
+            # segment's compile, so the first step is not kept waiting, and after the peak measurement, which
+            # a compile beside it would halve (MFU's denominator; precompile.py).
+            if recipe.runtime.precompile:
+                self.precompiler = Precompiler(self.mesh, self._schedule_compiles(start))
             self.metrics = MetricsLog(
                 run_dir / "metrics.jsonl",
                 enabled=self.is_main,
