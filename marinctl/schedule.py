@@ -43,6 +43,11 @@ _HEADER = (
 )
 
 
+def shape_key(recipe: Recipe) -> tuple:
+    """What a compiled train or eval step depends on: equal keys share one executable."""
+    return (recipe.train, recipe.attention, recipe.moe)
+
+
 @dataclass(frozen=True)
 class Segment:
     """Steps [start, stop) trained with `recipe` (the base recipe with every change up to `start` applied)."""
@@ -55,9 +60,7 @@ class Segment:
 
     @property
     def shape_key(self) -> tuple:
-        """What the compiled train step depends on: equal keys share one executable."""
-        r = self.recipe
-        return (r.train, r.attention, r.moe)
+        return shape_key(self.recipe)
 
 
 # --------------------------------------------------------------------------------------------------
