@@ -101,6 +101,7 @@ def parse_hlo(text: str) -> dict[str, Instr]:
     section = None
     instrs: dict[str, Instr] = {}
     raw: list[tuple[str, str, int | None, str]] = []
+    operands: dict[str, list[str]] = {}
     for line in text.splitlines():
         if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
             section = line
@@ -116,7 +117,9 @@ def parse_hlo(text: str) -> dict[str, Instr]:
         name, opcode = m.group(1), m.group(2)
         frame = re.search(r"stack_frame_id=(\d+)", line)
         op_name = re.search(r'op_name="([^"]*)"', line)
+        call = line[m.end() :].split(")", 1)[0]
         raw.append((name, opcode, int(frame.group(1)) if frame else None, op_name.group(1) if op_name else ""))
+        operands[name] = re.findall(r"%([\w.\-]+)", call)
 
     locations = {}
     for idx, rest in tables["FileLocations"].items():
@@ -144,6 +147,22 @@ def parse_hlo(text: str) -> dict[str, Instr]:
 
     for name, opcode, frame_id, op_name in raw:
         instrs[name] = Instr(opcode, stack(frame_id), "transpose(" in op_name, op_name)
+
+    def inherited(name: str, depth: int = 4) -> Instr | None:
+        """The nearest operand (breadth-first, a few levels up) that has a Python stack."""
+        level = operands.get(name, [])
+        for _ in range(depth):
+            for o in level:
+                if o in instrs and instrs[o].frames and instrs[o].opcode not in ("parameter", "constant"):
+                    return instrs[o]
+            level = [p for o in level for p in operands.get(o, [])]
+        return None
+
+    # XLA's simplifier drops the metadata of some rewritten instructions (e.g. a dot whose size-1 head axis it
+    # removed): such an instruction is charged to the component of the operand it computes from.
+    for name, instr in list(instrs.items()):
+        if not instr.frames and instr.opcode not in CONTROL_OPCODES and (src := inherited(name)) is not None:
+            instrs[name] = Instr(instr.opcode, src.frames, src.backward, instr.op_name or src.op_name)
     return instrs
 
 

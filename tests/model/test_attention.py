@@ -17,7 +17,6 @@ from marinctl.model.attention import (
     banded_attention,
     causal_blocks,
     exclusive_self_attention,
-    expand_kv,
     full_attention,
     fused_attention,
     kv_head_map,
@@ -383,7 +382,6 @@ def test_xsa_on_grouped_values_equals_xsa_on_values_gathered_per_head():
     np.testing.assert_allclose(
         np.asarray(exclusive_self_attention(y, v)), np.asarray(exclusive_self_attention(y, gathered)), atol=1e-6
     )
-    np.testing.assert_array_equal(np.asarray(expand_kv(v, 4)), np.asarray(gathered))
 
 
 @pytest.mark.parametrize("is_global", [False, pytest.param(True, marks=pytest.mark.slow)])
