@@ -168,11 +168,16 @@ def train_step(state: TrainState, batch: Batch, *, recipe: Recipe, optimizer: op
 
 
 def compile_train_step(
-    recipe: Recipe, optimizer: optax.GradientTransformation, shardings: TrainState, batch_sharding: NamedSharding
+    recipe: Recipe,
+    optimizer: optax.GradientTransformation,
+    shardings: TrainState,
+    batch_sharding: NamedSharding,
+    compiler_options: dict[str, str | bool | int] | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """The step compiled ahead of time for the state's abstract shapes: state sharded by `shardings` and
     donated, batch rows over every mesh axis. Compiling before the loop keeps compile time out of step
-    timings, and the persistent cache makes a resumed run's compile a lookup."""
+    timings, and the persistent cache makes a resumed run's compile a lookup. `compiler_options` (XLA
+    debug options for this compile only) lets bench/ab_step.py compare XLA settings in one process."""
     from marinctl.train.state import abstract_state, with_shardings
 
     replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
@@ -183,7 +188,7 @@ def compile_train_step(
         donate_argnums=0,
     )
     abstract = with_shardings(abstract_state(recipe, optimizer), shardings)
-    return jitted.lower(abstract, batch_spec(recipe, batch_sharding)).compile()
+    return jitted.lower(abstract, batch_spec(recipe, batch_sharding)).compile(compiler_options=compiler_options)
 
 
 def batch_spec(recipe: Recipe, sharding: NamedSharding, rows: int | None = None) -> dict[str, jax.ShapeDtypeStruct]:
