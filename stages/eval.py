@@ -29,7 +29,8 @@ def evaluate_run(
     dropless: Annotated[
         bool,
         typer.Option(
-            "--dropless", help="Every routed assignment computed (dense, or ragged when dense won't fit). Default."
+            "--dropless",
+            help="Every routed assignment computed (ragged, or dense where it does little extra work). Default.",
         ),
     ] = False,
     transport: Annotated[
@@ -151,8 +152,11 @@ def run_eval(
         "step": weights.step,
         "seq_len": recipe.train.seq_len,
         "transport": used,
-        # ragged drops only when its receive buffer is bounded (moe.ragged_buffer_factor)
-        "dropless": used == "dense" or (used == "ragged" and recipe.moe.ragged_buffer_factor is None),
+        # the default step clears ragged's receive-buffer bound (`dropless_recipe`); a named `ragged` drops
+        # only when the recipe bounds it (moe.ragged_buffer_factor)
+        "dropless": transport is None
+        or used == "dense"
+        or (used == "ragged" and recipe.moe.ragged_buffer_factor is None),
         "macro_loss": sums["macro_loss"],
         **{k: v for k, v in sums.items() if k != "macro_loss"},
         "skipped_checkpoints": list(weights.skipped),  # newer damaged ones, which and why (also logged)

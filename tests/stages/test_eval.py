@@ -31,7 +31,7 @@ def test_eval_json_equals_the_trainers_last_eval_record(trained_run, capsys):
         *(f"{kind}/{s}" for s in sources for kind in ("loss", "bpb", "tokens")),
     }  # fmt: skip
     assert result["skipped_checkpoints"] == []
-    assert result["step"] == 2 and result["transport"] == "dense" and result["dropless"] is True
+    assert result["step"] == 2 and result["transport"] == "ragged" and result["dropless"] is True  # top-2 of 8
     record = trainer_eval(run_dir, 2)  # the run's last eval: same checkpoint, same data, same function
     for key in ("macro_loss", *(f"{kind}/{s}" for s in sources for kind in ("loss", "bpb", "tokens"))):
         assert result[key] == pytest.approx(record[key], rel=1e-6, abs=0), key
