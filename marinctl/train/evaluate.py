@@ -30,16 +30,15 @@ from marinctl.recipe import Recipe
 from marinctl.train.step import Batch, device_batch
 
 DENSE_EVAL_BYTES = 1 << 30
+DENSE_WORK_RATIO = 2
 
 
 def dropless_transport(recipe: Recipe, tokens: int) -> str:
     """The dropless transport for a forward of `tokens` tokens per device: `dense` unless its [tokens, E, I]
-    fp32 intermediate would pass DENSE_EVAL_BYTES, else `ragged` (evaluation and inference share this rule)."""
+    fp32 intermediate would pass DENSE_EVAL_BYTES, else `ragged`. Inference's rule; the eval step applies
+    `eval_transport`'s work rule first."""
     dense_bytes = tokens * recipe.moe.num_experts * recipe.moe.expert_width * 4
     return "dense" if dense_bytes <= DENSE_EVAL_BYTES else "ragged"
-
-
-DENSE_WORK_RATIO = 2
 
 
 def eval_transport(recipe: Recipe, n_devices: int) -> str:
