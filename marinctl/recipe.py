@@ -217,7 +217,9 @@ class CheckpointConfig:
 class EvalConfig:
     every: int = _f(0, min=0, doc="evaluate every N steps (0: at the start and end only)")
     batches: int = _f(4, min=1, doc="batches per eval source")
-    batch_size: int | None = _f(None, min=1, doc="eval sequences per batch (default train.batch_size)")
+    batch_size: int | None = _f(
+        None, min=1, doc="eval sequences per batch (default train.batch_size); a context change keeps its tokens"
+    )
     sources: tuple[str, ...] = _f((), doc="zero-weight data sources evaluated (dropless)")
     ladder_grid: bool = _f(False, doc="also evaluate at every 5% of progress: the ladder grid (docs/recipe.md §9)")
     forecast: str = _f("", doc="forecast.json from `ladder fit --out`: eval records carry forecast and delta")

@@ -81,10 +81,17 @@ def qk_auto(base: Recipe, seq_len: int) -> float:
 
 
 def at_context(recipe: Recipe, seq_len: int) -> Recipe:
-    """`recipe` at sequence length `seq_len` with the same tokens per step (batch re-derived)."""
+    """`recipe` at sequence length `seq_len` with the same tokens per step and per eval batch (rows
+    re-derived). An explicit `eval.batch_size` counts rows at the current context, so its tokens are held
+    as the train batch's are: an eval after an extension scores the same targets at both contexts
+    (`loss` and `loss@S0` compare like with like) and costs what the one before it did."""
     tokens = recipe.tokens_per_step
     train = dataclasses.replace(recipe.train, seq_len=seq_len, batch_size=tokens // seq_len)
-    return recipe.replace(train=train)
+    evaluation = recipe.eval
+    if evaluation.batch_size:
+        rows = evaluation.batch_size * recipe.train.seq_len // seq_len
+        evaluation = dataclasses.replace(evaluation, batch_size=max(rows, 1))
+    return recipe.replace(train=train, eval=evaluation)
 
 
 def change_identity(change: ChangeConfig, steps: int) -> dict[str, Any]:
@@ -254,6 +261,13 @@ def validate_changes(recipe: Recipe, fail: Callable[[str, str], None]) -> None:
                             f"{fixed_devices} devices x {recipe.train.grad_accum} micro-batches")  # fmt: skip
             if recipe.attention.window > seq_len:
                 fail(where, f"{seq_len} is shorter than attention.window={recipe.attention.window}")
+            eval_rows = recipe.eval.batch_size
+            if recipe.eval.sources and eval_rows:
+                eval_tokens = eval_rows * recipe.train.seq_len
+                if eval_tokens % seq_len or (eval_tokens // seq_len) % fixed_devices:
+                    fail(where, f"{seq_len} does not split eval.batch_size={eval_rows} x {recipe.train.seq_len} "
+                                f"= {eval_tokens:,} eval tokens per batch into rows over the {fixed_devices} "
+                                "devices (eval holds its tokens per batch across a context change)")  # fmt: skip
         weights = settings.get("data.weights")
         if weights is not None:
             for name, weight in weights.items():
@@ -395,11 +409,16 @@ def _check_mesh(recipe: Recipe, run_dir: Path) -> None:
         return
     for seg in segments(recipe):
         rows = seg.recipe.train.batch_size
-        eval_rows = recipe.eval.batch_size or rows
-        if rows % (devices * recipe.train.grad_accum) or (recipe.eval.sources and eval_rows % devices):
+        eval_rows = seg.recipe.eval.batch_size or rows
+        if rows % (devices * recipe.train.grad_accum):
             raise UserError(
                 f"--seq-len {seg.recipe.train.seq_len}: leaves {rows} sequences per step, which do not split over "
                 f"the run's {devices} devices x {recipe.train.grad_accum} micro-batches"
+            )
+        if recipe.eval.sources and eval_rows % devices:
+            raise UserError(
+                f"--seq-len {seg.recipe.train.seq_len}: leaves {eval_rows} eval rows per batch, which do not split "
+                f"over the run's {devices} devices"
             )
 
 
@@ -458,4 +477,7 @@ def eval_recipe(recipe: Recipe, step: int, seq_len: int | None = None) -> Recipe
         raise UserError(f"--seq-len {seq_len}: does not divide the {tokens:,} tokens per step")
     if recipe.attention.window > seq_len:
         raise UserError(f"--seq-len {seq_len}: shorter than attention.window={recipe.attention.window}")
+    eval_tokens = (current.eval.batch_size or 0) * current.train.seq_len
+    if eval_tokens % seq_len:
+        raise UserError(f"--seq-len {seq_len}: does not divide the {eval_tokens:,} tokens per eval batch")
     return at_context(current, seq_len)

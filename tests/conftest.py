@@ -64,7 +64,7 @@ keep_last = 10
 [eval]
 every = {eval_every}
 batches = 1
-batch_size = 8
+batch_size = {eval_batch_size}
 {log}"""
 
 
@@ -90,14 +90,16 @@ def subprocess_env(xla_test_cache) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def micro_run_recipe(tmp_path_factory, xla_test_cache):
-    """`make(steps=, checkpoint_every=, eval_every=0, norms_every=None, batch_size=None, extra="") -> Path`: a
+    """`make(steps=, checkpoint_every=, eval_every=0, norms_every=None, batch_size=None, extra="", name=,
+    eval_batch_size=8) -> Path`: a
     recipe extending tests/micro.toml with its own data dir (the built-in corpus built once, before any run
     races to build it); `extra` is appended TOML (e.g. [[schedule.changes]])."""
     from marinctl.data.builtin import ensure_builtin_corpus
     from marinctl.recipe import load_recipe
 
     def make(*, steps: int, checkpoint_every: int, eval_every: int = 0, norms_every: int | None = None,
-             batch_size: int | None = None, extra: str = "", name: str = "micro") -> Path:  # fmt: skip
+             batch_size: int | None = None, extra: str = "", name: str = "micro",
+             eval_batch_size: int = 8) -> Path:  # fmt: skip
         root = tmp_path_factory.mktemp(name)
         path = root / f"{name}.toml"
         path.write_text(
@@ -108,6 +110,7 @@ def micro_run_recipe(tmp_path_factory, xla_test_cache):
                 batch="" if batch_size is None else f"\nbatch_size = {batch_size}",
                 checkpoint_every=checkpoint_every,
                 eval_every=eval_every,
+                eval_batch_size=eval_batch_size,
                 log="" if norms_every is None else f"\n[log]\nnorms_every = {norms_every}\n",
             )
             + extra

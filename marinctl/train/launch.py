@@ -63,7 +63,8 @@ def check_batch_divides(recipe: Recipe, n_devices: int, process_count: int) -> N
         )
     eval_bs = recipe.eval.batch_size or t.batch_size
     if recipe.eval.sources and eval_bs % n_devices:
-        raise UserError(f"{recipe.source}: eval.batch_size: {eval_bs} rows do not split over {n_devices} devices")
+        at = f" at seq_len {t.seq_len} (a context change keeps eval tokens per batch)" if recipe.eval.batch_size else ""
+        raise UserError(f"{recipe.source}: eval.batch_size: {eval_bs} rows{at} do not split over {n_devices} devices")
     if t.batch_size % process_count or eval_bs % process_count:
         raise UserError(f"{recipe.source}: train/eval batch sizes do not split over {process_count} processes")
 

@@ -27,7 +27,8 @@ attention.qk_mult = "auto"
 @pytest.fixture(scope="session")
 def recipes(micro_run_recipe):
     """{"base": path without changes, "scheduled": path with the two changes}; 16 sequences per step."""
-    common = {"steps": STEPS, "checkpoint_every": 5, "eval_every": 0, "norms_every": 0, "batch_size": 16}
+    common = {"steps": STEPS, "checkpoint_every": 5, "eval_every": 0, "norms_every": 0, "batch_size": 16,
+              "eval_batch_size": 16}  # 16 x 32 eval tokens: 8 rows at 64, one per device  # fmt: skip
     return {
         "base": micro_run_recipe(**common, name="base"),
         "scheduled": micro_run_recipe(

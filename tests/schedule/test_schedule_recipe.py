@@ -114,6 +114,25 @@ def test_eval_recipe_is_the_context_of_the_last_trained_step(recipes):
     assert first == at_context(after, 32) and first.attention.qk_mult == after.attention.qk_mult
 
 
+def test_an_extension_holds_eval_tokens_per_batch(recipes, tiny_recipe):
+    """Explicit eval rows are re-derived as the train batch is (the demo: 16 x 256 -> 4 x 1024), so an eval
+    after the extension scores the same targets at its context and at the first one."""
+    from marinctl.data.loader import Loader
+
+    last = segments(tiny_recipe)[-1].recipe
+    assert (last.train.seq_len, last.eval.batch_size) == (1024, 4)
+    assert at_context(last, 256).eval.batch_size == 16
+    recipe = load_recipe(recipes["scheduled"])
+    assert [s.recipe.eval.batch_size for s in segments(recipe)] == [16, 16, 8]
+    loader, scored = Loader(recipe), {}
+    for seq_len, rows in ((32, 16), (64, 8)):
+        batches = list(loader.eval_batches("docs_val", 2, rows, seq_len))
+        scored[seq_len] = np.concatenate([b["targets"][b["loss_mask"] > 0] for b in batches])
+    assert len(scored[32]) > 0.9 * 2 * 16 * 32 and np.array_equal(scored[32], scored[64])
+    with pytest.raises(RecipeError, match=r"changes\[1\].train.seq_len: 64 does not split eval.batch_size=1 x 32"):
+        load_recipe(recipes["scheduled"], ["eval.batch_size=1"])
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
