@@ -231,8 +231,9 @@ def inference_recipe(recipe: Recipe, tokens_per_call: int) -> Recipe:
 
     Training transports (fixed, pooled) drop assignments past their capacity, which moves the logits of
     the dropped tokens (on a 160-token sequence of a 30-step tiny run the pooled transport dropped 41% of
-    assignments). Inference computes every routed assignment: `dense` while its intermediate is small,
-    else `ragged` with an unbounded receive buffer. Both equal each other exactly (tests/routing).
+    assignments). Inference computes every routed assignment (`dropless_transport`: `ragged` with an
+    unbounded receive buffer, or `dense` where it is small and does at most twice the routed work). The two
+    agree to float rounding (tests/routing).
     """
     import dataclasses
 

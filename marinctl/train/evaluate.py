@@ -5,8 +5,9 @@ is re-assembled around the same arrays with a dropless transport, `ragged` (unbo
 (the reference every transport is tested against); the two equal each other (docs/recipe.md §4).
 `dense` runs every token through every expert, E/K times the expert work, and for hero-sized experts
 would materialize a [tokens, E, I] intermediate past `DENSE_EVAL_BYTES` per device. Evaluation therefore
-uses `ragged` wherever dense would do more than twice the routed work (the tiny recipe's eval step,
-top-4 of 16: 321 vs 377 ms at 16 × 256 tokens and 2,005 vs 2,375 ms at 16 × 1,024, bench/README.md).
+and inference use `ragged` wherever dense would do more than twice the routed work (the tiny recipe's
+eval step, top-4 of 16: 321 vs 377 ms at 16 × 256 tokens and 2,005 vs 2,375 ms at 16 × 1,024; its forward
+of 1 × 64 tokens 11.5 vs 12.2 ms, bench/README.md).
 The macro loss is the unweighted mean over eval sources of each source's mean per-token loss (nats).
 
 The context is the given recipe's `train.seq_len`: after a context extension (docs/recipe.md §8) the
@@ -34,19 +35,18 @@ DENSE_WORK_RATIO = 2
 
 
 def dropless_transport(recipe: Recipe, tokens: int) -> str:
-    """The dropless transport for a forward of `tokens` tokens per device: `dense` unless its [tokens, E, I]
-    fp32 intermediate would pass DENSE_EVAL_BYTES, else `ragged`. Inference's rule; the eval step applies
-    `eval_transport`'s work rule first."""
+    """The dropless transport for a forward of `tokens` tokens per device, evaluation's and inference's:
+    `ragged` where `dense` would compute more than DENSE_WORK_RATIO times the routed rows (E > 2K) or its
+    [tokens, E, I] fp32 intermediate would pass DENSE_EVAL_BYTES, else `dense`. Ragged pads each expert's
+    rows to whole tiles, but even a 64-token call of the tiny model ran faster through it (bench/README.md)."""
+    if recipe.moe.num_experts > DENSE_WORK_RATIO * recipe.moe.top_k:
+        return "ragged"
     dense_bytes = tokens * recipe.moe.num_experts * recipe.moe.expert_width * 4
     return "dense" if dense_bytes <= DENSE_EVAL_BYTES else "ragged"
 
 
 def eval_transport(recipe: Recipe, n_devices: int) -> str:
-    """The eval step's dropless transport: `ragged` where `dense` would compute more than DENSE_WORK_RATIO
-    times the routed rows (E > 2K), else the inference rule (`dropless_transport`). Inference keeps `dense`
-    while it is small: its calls are short, and `ragged` pads each expert's rows to whole tiles."""
-    if recipe.moe.num_experts > DENSE_WORK_RATIO * recipe.moe.top_k:
-        return "ragged"
+    """The eval step's dropless transport: `dropless_transport` for its rows per device."""
     tokens = (recipe.eval.batch_size or recipe.train.batch_size) * recipe.train.seq_len // n_devices
     return dropless_transport(recipe, tokens)
 

@@ -77,7 +77,7 @@ def test_loglikelihoods_lm_eval_receives_equal_a_direct_computation(eco_run, at_
         correct.append(int(np.argmax([w[0] for w in want])) == sample["target"])
     assert results["results"]["marin_local_mc"]["acc,none"] == pytest.approx(np.mean(correct))
     info = results["marinctl"]
-    assert info["dropless"] and info["transport"] == "dense"  # the recipe trains with `pooled`
+    assert info["dropless"] and info["transport"] == "ragged"  # the recipe trains with `pooled`; top-2 of 8
     assert info["step"] == 5 and info["kind"] == "run"
     assert info["timing"]["loglikelihood"]["requests"] == 15
 
@@ -213,6 +213,10 @@ def test_inference_is_dropless_whatever_the_training_transport(eco_run, monkeypa
     pooled_logits, stats = build_model(recipe, jparams)(tokens, segs, jnp.asarray(bias))
     assert float(jnp.sum(stats["sender_drops"]) + jnp.sum(stats["receiver_drops"])) > 0
     assert np.abs(np.asarray(pooled_logits) - want).max() > 1e-3  # drops change the logits
+    model, used = inference_model(recipe, jparams, tokens.size)  # top-2 of 8: dense would do 4x the work
+    assert used.moe.transport == "ragged" and used.moe.ragged_buffer_factor is None
+    np.testing.assert_allclose(np.asarray(model(tokens, segs, jnp.asarray(bias))[0]), want, atol=1e-4)
+    monkeypatch.setattr(marinctl.train.evaluate, "DENSE_WORK_RATIO", 4)  # dense allowed 4x the routed work
     model, used = inference_model(recipe, jparams, tokens.size)
     assert used.moe.transport == "dense"
     np.testing.assert_array_equal(np.asarray(model(tokens, segs, jnp.asarray(bias))[0]), want)

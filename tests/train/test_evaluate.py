@@ -1,4 +1,4 @@
-"""Which dropless transport evaluation picks (the numbers themselves: tests/stages/test_eval.py)."""
+"""Which dropless transport evaluation and inference pick (the numbers themselves: tests/stages/test_eval.py)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,14 @@ MICRO = Path(__file__).resolve().parents[1] / "micro.toml"  # top-2 of 8 experts
         (4, 2, 1, "ragged"),  # ... and ragged once dense's intermediate would not fit
     ],
 )
-def test_eval_uses_ragged_where_dense_does_more_than_twice_the_routed_work(
+def test_eval_and_inference_use_ragged_where_dense_does_more_than_twice_the_routed_work(
     experts, top_k, dense_bytes, want, monkeypatch
 ):
+    from marinctl.export import inference_recipe
+
     monkeypatch.setattr(evaluate, "DENSE_EVAL_BYTES", dense_bytes)
     recipe = load_recipe(MICRO, [f"moe.num_experts={experts}", f"moe.top_k={top_k}", "moe.ragged_buffer_factor=1.25"])
     assert evaluate.eval_transport(recipe, 1) == want
+    assert inference_recipe(recipe, 64).moe.transport == want  # a short call too
     dropless = evaluate.dropless_recipe(recipe, 1).moe
     assert dropless.transport == want and dropless.ragged_buffer_factor is None  # ragged unbounded: no drops
