@@ -265,9 +265,10 @@ def validate_changes(recipe: Recipe, fail: Callable[[str, str], None]) -> None:
             if recipe.eval.sources and eval_rows:
                 eval_tokens = eval_rows * recipe.train.seq_len
                 if eval_tokens % seq_len or (eval_tokens // seq_len) % fixed_devices:
-                    fail(where, f"{seq_len} does not split eval.batch_size={eval_rows} x {recipe.train.seq_len} "
-                                f"= {eval_tokens:,} eval tokens per batch into rows over the {fixed_devices} "
-                                "devices (eval holds its tokens per batch across a context change)")  # fmt: skip
+                    fail("eval.batch_size", f"{eval_rows} x {recipe.train.seq_len} = {eval_tokens:,} tokens per "
+                                            f"eval batch do not split into rows of {where}={seq_len} over "
+                                            f"{fixed_devices} device(s); a context change keeps eval tokens "
+                                            "per batch")  # fmt: skip
         weights = settings.get("data.weights")
         if weights is not None:
             for name, weight in weights.items():

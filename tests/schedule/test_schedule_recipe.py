@@ -129,7 +129,8 @@ def test_an_extension_holds_eval_tokens_per_batch(recipes, tiny_recipe):
         batches = list(loader.eval_batches("docs_val", 2, rows, seq_len))
         scored[seq_len] = np.concatenate([b["targets"][b["loss_mask"] > 0] for b in batches])
     assert len(scored[32]) > 0.9 * 2 * 16 * 32 and np.array_equal(scored[32], scored[64])
-    with pytest.raises(RecipeError, match=r"changes\[1\].train.seq_len: 64 does not split eval.batch_size=1 x 32"):
+    with pytest.raises(RecipeError, match=r"eval.batch_size: 1 x 32 = 32 tokens per eval batch do not split into "
+                                           r"rows of schedule.changes\[1\].train.seq_len=64"):  # fmt: skip
         load_recipe(recipes["scheduled"], ["eval.batch_size=1"])
 
 
