@@ -63,6 +63,11 @@ def test_uninterrupted_run_keeps_the_metric_contract_and_lowers_the_eval_loss(re
     assert evals[-1]["macro_loss"] < evals[0]["macro_loss"] - 0.1
     assert summary.exit_reason == "done" and summary.steps == steps
     assert summary.eval_macro_loss == evals[-1]["macro_loss"] and summary.final_loss == train[-1]["loss"]
+    # The summary's MFU is against the better of the start and end peak readings (each record: the start's).
+    start_peak = train[-1]["tflops_per_device"] / train[-1]["mfu"]
+    assert summary.peak_tflops >= start_peak * (1 - 1e-9)
+    steady = train[len(train) // 5 :]
+    assert summary.mfu == pytest.approx(np.median([r["mfu"] for r in steady]) * start_peak / summary.peak_tflops)
     # The fixed transport at capacity factor 1 drops tokens, and the run still trains.
     assert max(r["drop_frac"] for r in train) > 0
     assert np.mean(reference["losses"][-5:]) < np.mean(reference["losses"][:3])
