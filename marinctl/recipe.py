@@ -269,6 +269,16 @@ class Recipe:
         return self.train.batch_size * self.train.seq_len
 
     @property
+    def eval_rows(self) -> int:
+        """Sequences per eval batch: `eval.batch_size`, or the train batch's when it is unset."""
+        return self.eval.batch_size or self.train.batch_size
+
+    @property
+    def eval_tokens_per_batch(self) -> int:
+        """What a context change holds for the eval, as `tokens_per_step` for the train batch."""
+        return self.eval_rows * self.train.seq_len
+
+    @property
     def total_tokens(self) -> int:
         return self.tokens_per_step * self.train.steps
 

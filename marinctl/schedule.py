@@ -88,9 +88,8 @@ def at_context(recipe: Recipe, seq_len: int) -> Recipe:
     tokens = recipe.tokens_per_step
     train = dataclasses.replace(recipe.train, seq_len=seq_len, batch_size=tokens // seq_len)
     evaluation = recipe.eval
-    if evaluation.batch_size:
-        rows = evaluation.batch_size * recipe.train.seq_len // seq_len
-        evaluation = dataclasses.replace(evaluation, batch_size=max(rows, 1))
+    if evaluation.batch_size:  # unset follows the train batch
+        evaluation = dataclasses.replace(evaluation, batch_size=max(recipe.eval_tokens_per_batch // seq_len, 1))
     return recipe.replace(train=train, eval=evaluation)
 
 
@@ -261,11 +260,10 @@ def validate_changes(recipe: Recipe, fail: Callable[[str, str], None]) -> None:
                             f"{fixed_devices} devices x {recipe.train.grad_accum} micro-batches")  # fmt: skip
             if recipe.attention.window > seq_len:
                 fail(where, f"{seq_len} is shorter than attention.window={recipe.attention.window}")
-            eval_rows = recipe.eval.batch_size
-            if recipe.eval.sources and eval_rows:
-                eval_tokens = eval_rows * recipe.train.seq_len
+            eval_tokens = recipe.eval_tokens_per_batch
+            if recipe.eval.sources and recipe.eval.batch_size:  # unset follows the rows checked above
                 if eval_tokens % seq_len or (eval_tokens // seq_len) % fixed_devices:
-                    fail("eval.batch_size", f"{eval_rows} x {recipe.train.seq_len} = {eval_tokens:,} tokens per "
+                    fail("eval.batch_size", f"{recipe.eval_rows} x {recipe.train.seq_len} = {eval_tokens:,} tokens per "
                                             f"eval batch do not split into rows of {where}={seq_len} over "
                                             f"{fixed_devices} device(s); a context change keeps eval tokens "
                                             "per batch")  # fmt: skip
@@ -405,22 +403,13 @@ def record_change(run_dir: Path, table: dict[str, Any], at_step: int | None) -> 
 def _check_mesh(recipe: Recipe, run_dir: Path) -> None:
     """Every segment's sequences (and eval rows) must split over the devices the run trains on, as its
     newest checkpoint records them (the recipe alone cannot say when a mesh axis is -1)."""
+    from marinctl.train.launch import check_batch_divides
+
     devices = checkpoint_meta(recipe, run_dir).get("devices")
     if not devices:
         return
     for seg in segments(recipe):
-        rows = seg.recipe.train.batch_size
-        eval_rows = seg.recipe.eval.batch_size or rows
-        if rows % (devices * recipe.train.grad_accum):
-            raise UserError(
-                f"--seq-len {seg.recipe.train.seq_len}: leaves {rows} sequences per step, which do not split over "
-                f"the run's {devices} devices x {recipe.train.grad_accum} micro-batches"
-            )
-        if recipe.eval.sources and eval_rows % devices:
-            raise UserError(
-                f"--seq-len {seg.recipe.train.seq_len}: leaves {eval_rows} eval rows per batch, which do not split "
-                f"over the run's {devices} devices"
-            )
+        check_batch_divides(seg.recipe, devices, 1, where=f"--seq-len {seg.recipe.train.seq_len}")
 
 
 def checkpoint_meta(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
@@ -478,7 +467,7 @@ def eval_recipe(recipe: Recipe, step: int, seq_len: int | None = None) -> Recipe
         raise UserError(f"--seq-len {seq_len}: does not divide the {tokens:,} tokens per step")
     if recipe.attention.window > seq_len:
         raise UserError(f"--seq-len {seq_len}: shorter than attention.window={recipe.attention.window}")
-    eval_tokens = (current.eval.batch_size or 0) * current.train.seq_len
+    eval_tokens = current.eval_tokens_per_batch
     if eval_tokens % seq_len:
         raise UserError(f"--seq-len {seq_len}: does not divide the {eval_tokens:,} tokens per eval batch")
     return at_context(current, seq_len)

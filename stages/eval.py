@@ -115,7 +115,7 @@ def run_eval(
     from marinctl.train.evaluate import compile_eval_step, eval_sums, eval_transport, evaluate
 
     devices = jax.devices()
-    eval_rows = recipe.eval.batch_size or recipe.train.batch_size
+    eval_rows = recipe.eval_rows
     if eval_rows % len(devices):
         raise UserError(f"{recipe.source}: eval.batch_size: {eval_rows} rows do not split over {len(devices)} devices")
     mesh = make_mesh(recipe.parallel, devices)
@@ -126,7 +126,7 @@ def run_eval(
     from marinctl.schedule import eval_recipe
 
     recipe = eval_recipe(recipe, weights.step, seq_len)
-    eval_rows = recipe.eval.batch_size or recipe.train.batch_size
+    eval_rows = recipe.eval_rows
     if eval_rows % len(devices):
         raise UserError(
             f"--seq-len {recipe.train.seq_len}: {eval_rows} eval rows do not split over {len(devices)} devices"

@@ -47,7 +47,7 @@ def dropless_transport(recipe: Recipe, tokens: int) -> str:
 
 def eval_transport(recipe: Recipe, n_devices: int) -> str:
     """The eval step's dropless transport: `dropless_transport` for its rows per device."""
-    tokens = (recipe.eval.batch_size or recipe.train.batch_size) * recipe.train.seq_len // n_devices
+    tokens = recipe.eval_tokens_per_batch // n_devices
     return dropless_transport(recipe, tokens)
 
 
@@ -90,7 +90,7 @@ def evaluate(
 ) -> dict[str, float]:
     """{"loss/<src>", "bpb/<src>", "tokens/<src>" per eval source, "macro_loss"} over `eval.batches`
     deterministic batches of each source (the same on every host; each host feeds its rows)."""
-    batch_size = recipe.eval.batch_size or recipe.train.batch_size
+    batch_size = recipe.eval_rows
     per_host = batch_size // process_count
     rows = slice(process_index * per_host, (process_index + 1) * per_host)
     out: dict[str, float] = {}

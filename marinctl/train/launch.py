@@ -52,21 +52,23 @@ def _per_device(mem: Any) -> str:
     )
 
 
-def check_batch_divides(recipe: Recipe, n_devices: int, process_count: int) -> None:
-    """Every device must get whole rows of every micro-batch and eval batch, every host whole rows."""
+def check_batch_divides(recipe: Recipe, n_devices: int, process_count: int, where: str | None = None) -> None:
+    """Every device must get whole rows of every micro-batch and eval batch, every host whole rows.
+    `where` names what set the rows in the message (default: the recipe's file)."""
+    where = where or recipe.source
     t = recipe.train
     micro = t.batch_size // t.grad_accum
     if micro % n_devices:
         raise UserError(
-            f"{recipe.source}: train.batch_size: {t.batch_size} / grad_accum {t.grad_accum} = {micro} rows per "
+            f"{where}: train.batch_size: {t.batch_size} / grad_accum {t.grad_accum} = {micro} rows per "
             f"micro-batch do not split over {n_devices} devices"
         )
-    eval_bs = recipe.eval.batch_size or t.batch_size
+    eval_bs = recipe.eval_rows
     if recipe.eval.sources and eval_bs % n_devices:
         at = f" at seq_len {t.seq_len} (a context change keeps eval tokens per batch)" if recipe.eval.batch_size else ""
-        raise UserError(f"{recipe.source}: eval.batch_size: {eval_bs} rows{at} do not split over {n_devices} devices")
+        raise UserError(f"{where}: eval.batch_size: {eval_bs} rows{at} do not split over {n_devices} devices")
     if t.batch_size % process_count or eval_bs % process_count:
-        raise UserError(f"{recipe.source}: train/eval batch sizes do not split over {process_count} processes")
+        raise UserError(f"{where}: train/eval batch sizes do not split over {process_count} processes")
 
 
 def device_memory_bytes(device: Any, local_devices: int) -> int | None:
