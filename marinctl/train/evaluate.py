@@ -57,6 +57,19 @@ def dropless_recipe(recipe: Recipe, n_devices: int) -> Recipe:
     return recipe.replace(moe=moe)
 
 
+# Fields of `moe` that only the token-dropping transports read (`routing.transports._capacity`): a
+# dropless program does not depend on them, so a switch of the train transport keeps the eval program.
+_DROPPING_ONLY = ("transport", "capacity_factor", "sender_capacity_factor", "waves", "ragged_buffer_factor")
+
+
+def eval_key(recipe: Recipe, n_devices: int) -> tuple:
+    """What a compiled eval step depends on: equal keys share one executable (the train step's
+    `schedule.shape_key` would also tell apart recipes whose train transport, batch or steps differ)."""
+    moe = dropless_recipe(recipe, n_devices).moe
+    kept = tuple((f.name, getattr(moe, f.name)) for f in dataclasses.fields(moe) if f.name not in _DROPPING_ONLY)
+    return (recipe.train.seq_len, recipe.eval_rows, recipe.attention, moe.transport, kept)
+
+
 def eval_sums(model, router_bias: Array, batch: Batch, recipe: Recipe) -> tuple[Array, Array]:
     """(Σ token CE in nats, Σ scored tokens) of one batch, dropless, with the training router bias.
     `recipe.moe.transport` must already be a dropless one (`dropless_recipe`)."""

@@ -624,13 +624,18 @@ class _Run:
         shardings = state_shardings(segment_recipe, make_optimizer(segment_recipe), self.mesh)
         return compile_eval_step(recipe, shardings.model, self.batch_sharding)
 
+    def _eval_key(self, recipe: Recipe) -> tuple:
+        from marinctl.train.evaluate import eval_key
+
+        return eval_key(recipe, self.mesh.size)
+
     def _schedule_compiles(self, start: int) -> list[tuple[tuple, Callable[[], Any]]]:
         """What the schedule will compile after `start`, in the order the run needs it: each later
         segment's train step, then the eval steps of its contexts (the base eval step excepted)."""
-        from marinctl.schedule import segment_at, shape_key
+        from marinctl.schedule import segment_at
 
         jobs: list[tuple[tuple, Callable[[], Any]]] = []
-        seen = {("train", segment_at(self.segments, start).shape_key), ("eval", shape_key(self.recipe))}
+        seen = {("train", segment_at(self.segments, start).shape_key), ("eval", self._eval_key(self.recipe))}
 
         def queue(key: tuple, build: Callable[[], Any]) -> None:
             if key not in seen:
@@ -642,7 +647,8 @@ class _Run:
                 continue
             queue(("train", segment.shape_key), functools.partial(self._build_step, segment.recipe))
             for recipe in self._eval_contexts(segment.recipe):
-                queue(("eval", shape_key(recipe)), functools.partial(self._build_eval_step, recipe, segment.recipe))
+                build = functools.partial(self._build_eval_step, recipe, segment.recipe)
+                queue(("eval", self._eval_key(recipe)), build)
         return jobs
 
     def _transition(self, segment, state, display):
@@ -677,16 +683,16 @@ class _Run:
         """Dropless eval at the context of the last trained step, labelled with its `seq_len`; after an
         extension also at the run's first context as `<key>@<S0>` (the hero re-evaluated every checkpoint
         at 4k), so both curves continue across the change."""
-        from marinctl.schedule import segment_at, shape_key
+        from marinctl.schedule import segment_at
         from marinctl.train.evaluate import compile_eval_step
 
         current = segment_at(self.segments, max(step - 1, 0)).recipe
         first = self.recipe.train.seq_len
         out: dict[str, Any] = {"seq_len": current.train.seq_len}
         for recipe in self._eval_contexts(current):
-            key = shape_key(recipe)
+            key = self._eval_key(recipe)
             if key not in self._eval_steps:  # the model's structure is the segment's (self._shardings)
-                same = key == shape_key(self.recipe)
+                same = key == self._eval_key(self.recipe)
                 build = functools.partial(compile_eval_step, recipe, self._shardings.model, self.batch_sharding)
                 self._eval_steps[key] = self.eval_step if same else self.precompiler.get(("eval", key), build)
             result = evaluate(

@@ -32,3 +32,40 @@ def test_eval_and_inference_use_ragged_where_dense_does_more_than_twice_the_rout
     assert inference_recipe(recipe, 64).moe.transport == want  # a short call too
     dropless = evaluate.dropless_recipe(recipe, 1).moe
     assert dropless.transport == want and dropless.ragged_buffer_factor is None  # ragged unbounded: no drops
+
+
+def _lowered_eval(recipe) -> str:
+    """The eval step's StableHLO for `recipe` on the test devices."""
+    import jax
+    import jax.numpy as jnp
+
+    from marinctl.routing.mesh import batch_sharding, make_mesh
+    from marinctl.train.state import abstract_state, make_optimizer, state_shardings, with_shardings
+
+    mesh = make_mesh(recipe.parallel, jax.devices())
+    rows = batch_sharding(mesh)
+    optimizer = make_optimizer(recipe)
+    shardings = state_shardings(recipe, optimizer, mesh)
+    state = with_shardings(abstract_state(recipe, optimizer), shardings)
+    shape = (recipe.eval_rows, recipe.train.seq_len)
+    ints = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows)
+    batch = {"tokens": ints, "segment_ids": ints, "targets": ints}
+    batch["loss_mask"] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rows)
+    with jax.set_mesh(mesh):
+        step = evaluate.compile_eval_step(recipe, shardings.model, rows)
+        return step.lower(state.model, state.router_bias, batch).as_text()
+
+
+def test_a_train_transport_switch_keeps_the_eval_program():
+    """The run keys its eval programs by `eval_key`, so the hero's pooled -> ragged switch reuses the
+    eval step compiled before it. The key may leave out only what the dropless program does not read:
+    recipes with equal keys lower to the same program, and what it does read tells keys apart."""
+    base = load_recipe(MICRO)
+    n = 8
+    switched = load_recipe(MICRO, ["moe.transport=pooled", "moe.capacity_factor=1.5", "moe.waves=2"])
+    assert evaluate.eval_key(switched, n) == evaluate.eval_key(base, n)
+    assert _lowered_eval(switched) == _lowered_eval(base)
+    assert _lowered_eval(load_recipe(MICRO, ["attention.qk_mult=1.5"])) != _lowered_eval(base)  # the check bites
+    for other in (["attention.qk_mult=1.5"], ["train.seq_len=64", "train.batch_size=4", "eval.batch_size=8"],
+                  ["eval.batch_size=8"], ["moe.router_weight_sum=2.0"]):  # fmt: skip
+        assert evaluate.eval_key(load_recipe(MICRO, other), n) != evaluate.eval_key(base, n), other
