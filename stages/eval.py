@@ -112,7 +112,7 @@ def run_eval(
     from marinctl.model.transformer import build_model
     from marinctl.restore import restore_weights
     from marinctl.routing.mesh import batch_sharding, make_mesh, param_shardings
-    from marinctl.train.evaluate import compile_eval_step, eval_sums, eval_transport, evaluate
+    from marinctl.train.evaluate import EvalStep, compile_eval_step, eval_transport, evaluate
 
     devices = jax.devices()
     eval_rows = recipe.eval_rows
@@ -140,12 +140,7 @@ def run_eval(
         else:
             used = transport
             chosen = recipe.replace(moe=dataclasses.replace(recipe.moe, transport=transport))
-            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-            eval_step = jax.jit(
-                lambda model, bias, batch: eval_sums(model, bias, batch, chosen),
-                in_shardings=(shardings, replicated, rows),
-                out_shardings=replicated,
-            )
+            eval_step = EvalStep(chosen, shardings, rows)
         sums = evaluate(eval_step, model, weights.router_bias, loader, recipe, rows)
     return {
         "run_dir": str(run_dir),

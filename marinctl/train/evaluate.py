@@ -17,8 +17,9 @@ trainer passes the recipe in effect, and again the run's first context (`marinct
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -70,24 +71,39 @@ def eval_key(recipe: Recipe, n_devices: int) -> tuple:
     return (recipe.train.seq_len, recipe.eval_rows, recipe.attention, moe.transport, kept)
 
 
-def eval_sums(model, router_bias: Array, batch: Batch, recipe: Recipe) -> tuple[Array, Array]:
+def eval_sums(params: Mapping[str, Array], router_bias: Array, batch: Batch, recipe: Recipe) -> tuple[Array, Array]:
     """(Σ token CE in nats, Σ scored tokens) of one batch, dropless, with the training router bias.
     `recipe.moe.transport` must already be a dropless one (`dropless_recipe`)."""
-    dropless = build_model(recipe, model_params(model))
+    dropless = build_model(recipe, params)
     logits, _ = dropless(batch["tokens"], batch["segment_ids"], router_bias)
     ce = lm_loss(logits, batch["targets"], batch["loss_mask"], 0.0)[1]["ce"]
     n_tokens = jnp.sum(batch["loss_mask"])
     return ce * jnp.maximum(n_tokens, 1.0), n_tokens  # lm_loss divides by max(n, 1)
 
 
-def compile_eval_step(recipe: Recipe, model_shardings, batch_sharding: NamedSharding) -> Callable:
-    replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
-    dropless = dropless_recipe(recipe, batch_sharding.mesh.size)
-    return jax.jit(
-        lambda model, bias, batch: eval_sums(model, bias, batch, dropless),
-        in_shardings=(model_shardings, replicated, batch_sharding),
-        out_shardings=replicated,
-    )
+class EvalStep:
+    """`eval_sums` for `recipe`, jitted over the model's {path: array} dict rather than its module tree:
+    the tree carries its segment's configs as static metadata (`moe.transport`), so the models of two
+    segments are different pytrees even where their eval program (`eval_key`) is one."""
+
+    def __init__(self, recipe: Recipe, model_shardings, batch_sharding: NamedSharding) -> None:
+        replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
+        self._jitted = jax.jit(
+            functools.partial(eval_sums, recipe=recipe),
+            in_shardings=(model_params(model_shardings), replicated, batch_sharding),
+            out_shardings=replicated,
+        )
+
+    def __call__(self, model, router_bias: Array, batch: Batch) -> tuple[Array, Array]:
+        return self._jitted(model_params(model), router_bias, batch)
+
+    def lower(self, model, router_bias, batch) -> jax.stages.Lowered:
+        return self._jitted.lower(model_params(model), router_bias, batch)
+
+
+def compile_eval_step(recipe: Recipe, model_shardings, batch_sharding: NamedSharding) -> EvalStep:
+    """The trainer's in-loop eval step: dropless (`dropless_recipe`)."""
+    return EvalStep(dropless_recipe(recipe, batch_sharding.mesh.size), model_shardings, batch_sharding)
 
 
 def evaluate(

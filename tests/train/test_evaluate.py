@@ -34,8 +34,9 @@ def test_eval_and_inference_use_ragged_where_dense_does_more_than_twice_the_rout
     assert dropless.transport == want and dropless.ragged_buffer_factor is None  # ragged unbounded: no drops
 
 
-def _lowered_eval(recipe) -> str:
-    """The eval step's StableHLO for `recipe` on the test devices."""
+def _lowered_eval(recipe, model_recipe=None) -> str:
+    """The eval step's StableHLO for `recipe` on the test devices, called on the model of `model_recipe`'s
+    segment (as the trainer calls the step it compiled first on every later segment's model)."""
     import jax
     import jax.numpy as jnp
 
@@ -46,14 +47,17 @@ def _lowered_eval(recipe) -> str:
     rows = batch_sharding(mesh)
     optimizer = make_optimizer(recipe)
     shardings = state_shardings(recipe, optimizer, mesh)
-    state = with_shardings(abstract_state(recipe, optimizer), shardings)
+    model_recipe = model_recipe or recipe
+    model_optimizer = make_optimizer(model_recipe)
+    model_state = abstract_state(model_recipe, model_optimizer)
+    model = with_shardings(model_state, state_shardings(model_recipe, model_optimizer, mesh)).model
     shape = (recipe.eval_rows, recipe.train.seq_len)
     ints = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows)
     batch = {"tokens": ints, "segment_ids": ints, "targets": ints}
     batch["loss_mask"] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rows)
     with jax.set_mesh(mesh):
         step = evaluate.compile_eval_step(recipe, shardings.model, rows)
-        return step.lower(state.model, state.router_bias, batch).as_text()
+        return step.lower(model, jax.ShapeDtypeStruct((recipe.moe.num_experts,), jnp.float32), batch).as_text()
 
 
 def test_a_train_transport_switch_keeps_the_eval_program():
@@ -64,7 +68,7 @@ def test_a_train_transport_switch_keeps_the_eval_program():
     n = 8
     switched = load_recipe(MICRO, ["moe.transport=pooled", "moe.capacity_factor=1.5", "moe.waves=2"])
     assert evaluate.eval_key(switched, n) == evaluate.eval_key(base, n)
-    assert _lowered_eval(switched) == _lowered_eval(base)
+    assert _lowered_eval(switched) == _lowered_eval(base) == _lowered_eval(base, model_recipe=switched)
     assert _lowered_eval(load_recipe(MICRO, ["attention.qk_mult=1.5"])) != _lowered_eval(base)  # the check bites
     for other in (["attention.qk_mult=1.5"], ["train.seq_len=64", "train.batch_size=4", "eval.batch_size=8"],
                   ["eval.batch_size=8"], ["moe.router_weight_sum=2.0"]):  # fmt: skip
