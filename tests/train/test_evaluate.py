@@ -38,26 +38,20 @@ def _lowered_eval(recipe, model_recipe=None) -> str:
     """The eval step's StableHLO for `recipe` on the test devices, called on the model of `model_recipe`'s
     segment (as the trainer calls the step it compiled first on every later segment's model)."""
     import jax
-    import jax.numpy as jnp
 
     from marinctl.routing.mesh import batch_sharding, make_mesh
     from marinctl.train.state import abstract_state, make_optimizer, state_shardings, with_shardings
+    from marinctl.train.step import batch_spec
 
     mesh = make_mesh(recipe.parallel, jax.devices())
     rows = batch_sharding(mesh)
-    optimizer = make_optimizer(recipe)
-    shardings = state_shardings(recipe, optimizer, mesh)
+    step_shardings = state_shardings(recipe, make_optimizer(recipe), mesh)
     model_recipe = model_recipe or recipe
-    model_optimizer = make_optimizer(model_recipe)
-    model_state = abstract_state(model_recipe, model_optimizer)
-    model = with_shardings(model_state, state_shardings(model_recipe, model_optimizer, mesh)).model
-    shape = (recipe.eval_rows, recipe.train.seq_len)
-    ints = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows)
-    batch = {"tokens": ints, "segment_ids": ints, "targets": ints}
-    batch["loss_mask"] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=rows)
+    optimizer = make_optimizer(model_recipe)
+    state = with_shardings(abstract_state(model_recipe, optimizer), state_shardings(model_recipe, optimizer, mesh))
     with jax.set_mesh(mesh):
-        step = evaluate.compile_eval_step(recipe, shardings.model, rows)
-        return step.lower(model, jax.ShapeDtypeStruct((recipe.moe.num_experts,), jnp.float32), batch).as_text()
+        step = evaluate.compile_eval_step(recipe, step_shardings.model, rows)
+        return step.lower(state.model, state.router_bias, batch_spec(recipe, rows, recipe.eval_rows)).as_text()
 
 
 def test_a_train_transport_switch_keeps_the_eval_program():
