@@ -87,15 +87,35 @@ class EvalStep:
     segments are different pytrees even where their eval program (`eval_key`) is one."""
 
     def __init__(self, recipe: Recipe, model_shardings, batch_sharding: NamedSharding) -> None:
-        replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
+        self._recipe, self._batch_sharding = recipe, batch_sharding
+        self._param_shardings = model_params(model_shardings)
+        self._replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
         self._jitted = jax.jit(
             functools.partial(eval_sums, recipe=recipe),
-            in_shardings=(model_params(model_shardings), replicated, batch_sharding),
-            out_shardings=replicated,
+            in_shardings=(self._param_shardings, self._replicated, batch_sharding),
+            out_shardings=self._replicated,
         )
+        self._call: Callable = self._jitted
+
+    def compile(self) -> EvalStep:
+        """Compile now, for the recipe's shapes, instead of at the first call: the trainer's precompile
+        thread builds a later context's eval step while training goes on, so the eval after a context
+        extension does not stall the run for its compiles."""
+        from marinctl.train.state import abstract_model
+        from marinctl.train.step import batch_spec
+
+        params = {
+            path: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=self._param_shardings[path])
+            for path, leaf in model_params(abstract_model(self._recipe)).items()
+        }
+        shape = (self._recipe.model.num_layers, self._recipe.moe.num_experts)
+        bias = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=self._replicated)
+        batch = batch_spec(self._recipe, self._batch_sharding, self._recipe.eval_rows)
+        self._call = self._jitted.lower(params, bias, batch).compile()
+        return self
 
     def __call__(self, model, router_bias: Array, batch: Batch) -> tuple[Array, Array]:
-        return self._jitted(model_params(model), router_bias, batch)
+        return self._call(model_params(model), router_bias, batch)
 
     def lower(self, model, router_bias, batch) -> jax.stages.Lowered:
         return self._jitted.lower(model_params(model), router_bias, batch)

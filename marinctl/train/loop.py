@@ -617,12 +617,13 @@ class _Run:
         return [current] if current.train.seq_len == first else [current, at_context(current, first)]
 
     def _build_eval_step(self, recipe: Recipe, segment_recipe: Recipe) -> Callable:
-        """An eval step for `recipe` over the model structure of `segment_recipe`'s segment."""
+        """An eval step for `recipe` over the model structure of `segment_recipe`'s segment, compiled now
+        (on the precompile thread where it was queued, `_schedule_compiles`)."""
         from marinctl.train.evaluate import compile_eval_step
         from marinctl.train.state import make_optimizer, state_shardings
 
         shardings = state_shardings(segment_recipe, make_optimizer(segment_recipe), self.mesh)
-        return compile_eval_step(recipe, shardings.model, self.batch_sharding)
+        return compile_eval_step(recipe, shardings.model, self.batch_sharding).compile()
 
     def _eval_key(self, recipe: Recipe) -> tuple:
         from marinctl.train.evaluate import eval_key
@@ -684,16 +685,15 @@ class _Run:
         extension also at the run's first context as `<key>@<S0>` (the hero re-evaluated every checkpoint
         at 4k), so both curves continue across the change."""
         from marinctl.schedule import segment_at
-        from marinctl.train.evaluate import compile_eval_step
 
         current = segment_at(self.segments, max(step - 1, 0)).recipe
         first = self.recipe.train.seq_len
         out: dict[str, Any] = {"seq_len": current.train.seq_len}
         for recipe in self._eval_contexts(current):
             key = self._eval_key(recipe)
-            if key not in self._eval_steps:  # the model's structure is the segment's (self._shardings)
+            if key not in self._eval_steps:  # over the model structure of the segment just trained
                 same = key == self._eval_key(self.recipe)
-                build = functools.partial(compile_eval_step, recipe, self._shardings.model, self.batch_sharding)
+                build = functools.partial(self._build_eval_step, recipe, current)
                 self._eval_steps[key] = self.eval_step if same else self.precompiler.get(("eval", key), build)
             result = evaluate(
                 self._eval_steps[key],

@@ -67,3 +67,35 @@ def test_a_train_transport_switch_keeps_the_eval_program():
     for other in (["attention.qk_mult=1.5"], ["train.seq_len=64", "train.batch_size=4", "eval.batch_size=8"],
                   ["eval.batch_size=8"], ["moe.router_weight_sum=2.0"]):  # fmt: skip
         assert evaluate.eval_key(load_recipe(MICRO, other), n) != evaluate.eval_key(base, n), other
+
+
+def test_an_eval_step_compiled_ahead_equals_the_one_compiled_at_its_first_call():
+    """The precompile thread compiles later contexts' eval steps ahead (`EvalStep.compile`) from the
+    recipe's abstract shapes alone; the executable must take the trainer's real state and batch and give
+    the lazily jitted step's sums bit for bit."""
+    import jax
+    import numpy as np
+
+    from marinctl.routing.mesh import batch_sharding, make_mesh
+    from marinctl.train.state import init_state, make_optimizer, state_shardings
+    from marinctl.train.step import device_batch
+
+    recipe = load_recipe(MICRO)
+    mesh = make_mesh(recipe.parallel, jax.devices())
+    rows = batch_sharding(mesh)
+    optimizer = make_optimizer(recipe)
+    shardings = state_shardings(recipe, optimizer, mesh)
+    shape = (recipe.eval_rows, recipe.train.seq_len)
+    tokens = np.random.default_rng(0).integers(0, recipe.model.vocab_size, shape, dtype=np.int32)
+    host = {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1), "segment_ids": np.ones(shape, np.int32),
+            "loss_mask": np.ones(shape, np.float32)}  # fmt: skip
+    with jax.set_mesh(mesh):
+        state = jax.jit(lambda: init_state(recipe, optimizer), out_shardings=shardings)()
+        bias = state.router_bias + jax.numpy.linspace(-0.1, 0.1, state.router_bias.size).reshape(state.router_bias.shape)
+        batch = device_batch(host, rows, recipe.eval_rows)
+        ahead = evaluate.compile_eval_step(recipe, shardings.model, rows).compile()
+        assert isinstance(ahead._call, jax.stages.Compiled)  # compiled before any call
+        lazy = evaluate.compile_eval_step(recipe, shardings.model, rows)
+        got, want = ahead(state.model, bias, batch), lazy(state.model, bias, batch)
+    assert float(want[1]) == shape[0] * shape[1]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
