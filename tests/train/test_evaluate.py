@@ -91,7 +91,8 @@ def test_an_eval_step_compiled_ahead_equals_the_one_compiled_at_its_first_call()
             "loss_mask": np.ones(shape, np.float32)}  # fmt: skip
     with jax.set_mesh(mesh):
         state = jax.jit(lambda: init_state(recipe, optimizer), out_shardings=shardings)()
-        bias = state.router_bias + jax.numpy.linspace(-0.1, 0.1, state.router_bias.size).reshape(state.router_bias.shape)
+        n_bias = state.router_bias.size
+        bias = state.router_bias + jax.numpy.linspace(-0.1, 0.1, n_bias).reshape(state.router_bias.shape)
         batch = device_batch(host, rows, recipe.eval_rows)
         ahead = evaluate.compile_eval_step(recipe, shardings.model, rows).compile()
         assert isinstance(ahead._call, jax.stages.Compiled)  # compiled before any call
