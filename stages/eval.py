@@ -113,11 +113,10 @@ def run_eval(
     from marinctl.restore import restore_weights
     from marinctl.routing.mesh import batch_sharding, make_mesh, param_shardings
     from marinctl.train.evaluate import EvalStep, compile_eval_step, eval_transport, evaluate
+    from marinctl.train.launch import check_eval_rows
 
     devices = jax.devices()
-    eval_rows = recipe.eval_rows
-    if eval_rows % len(devices):
-        raise UserError(f"{recipe.source}: eval.batch_size: {eval_rows} rows do not split over {len(devices)} devices")
+    check_eval_rows(recipe, len(devices))
     mesh = make_mesh(recipe.parallel, devices)
     rows = batch_sharding(mesh)
     ensure_builtin_corpus(recipe)  # as `marinctl train` does: the built-in eval stores are a rebuildable cache
@@ -126,11 +125,7 @@ def run_eval(
     from marinctl.schedule import eval_recipe
 
     recipe = eval_recipe(recipe, weights.step, seq_len)
-    eval_rows = recipe.eval_rows
-    if eval_rows % len(devices):
-        raise UserError(
-            f"--seq-len {recipe.train.seq_len}: {eval_rows} eval rows do not split over {len(devices)} devices"
-        )
+    check_eval_rows(recipe, len(devices), where=f"--seq-len {recipe.train.seq_len}")
     with jax.set_mesh(mesh):
         model = build_model(recipe, weights.params)
         shardings = param_shardings(model, recipe, mesh)

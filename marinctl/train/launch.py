@@ -63,12 +63,20 @@ def check_batch_divides(recipe: Recipe, n_devices: int, process_count: int, wher
             f"{where}: train.batch_size: {t.batch_size} / grad_accum {t.grad_accum} = {micro} rows per "
             f"micro-batch do not split over {n_devices} devices"
         )
-    eval_bs = recipe.eval_rows
-    if recipe.eval.sources and eval_bs % n_devices:
-        at = f" at seq_len {t.seq_len} (a context change keeps eval tokens per batch)" if recipe.eval.batch_size else ""
-        raise UserError(f"{where}: eval.batch_size: {eval_bs} rows{at} do not split over {n_devices} devices")
-    if t.batch_size % process_count or eval_bs % process_count:
+    check_eval_rows(recipe, n_devices, where)
+    if t.batch_size % process_count or recipe.eval_rows % process_count:
         raise UserError(f"{where}: train/eval batch sizes do not split over {process_count} processes")
+
+
+def check_eval_rows(recipe: Recipe, n_devices: int, where: str | None = None) -> None:
+    """Every device must get whole rows of every eval batch (`marinctl eval` needs only this half)."""
+    rows = recipe.eval_rows
+    if recipe.eval.sources and rows % n_devices:
+        t = recipe.train
+        at = f" at seq_len {t.seq_len} (a context change keeps eval tokens per batch)" if recipe.eval.batch_size else ""
+        raise UserError(
+            f"{where or recipe.source}: eval.batch_size: {rows} rows{at} do not split over {n_devices} devices"
+        )
 
 
 def device_memory_bytes(device: Any, local_devices: int) -> int | None:

@@ -80,6 +80,7 @@ def test_eval_prints_a_table_of_per_source_loss_bits_per_byte_and_macro(trained_
         (["{run}", "--transport", "teleport"], "--transport 'teleport': choose one of"),
         (["{run}", "--dropless", "--transport", "fixed"], "--dropless and --transport fixed: choose one"),
         (["{run}", "--set", "eval.sources=[]"], "eval.sources is empty"),
+        (["{run}", "--set", "eval.batch_size=3"], "recipe.toml: eval.batch_size: 3 rows at seq_len 32"),
         (["{run}", "--set", "model.hidden=128"], "checkpoint leaf 'model.embed.weight' is float32[264, 64]"),
     ],
 )
