@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 from jaxtyping import Bool, Float
-from scipy.optimize import minimize_scalar
 
 from marinctl.counting import flops_per_token
 from marinctl.errors import UserError
@@ -282,6 +281,8 @@ def fit_irreducible(compute: Float[np.ndarray, " rungs"], loss: Float[np.ndarray
     candidates = np.linspace(0.0, upper, 201)  # coarse scan (the error may have several minima), then refine
     best = int(np.argmin([error(E) for E in candidates]))
     lo, hi = candidates[max(best - 1, 0)], candidates[min(best + 1, len(candidates) - 1)]
+    from scipy.optimize import minimize_scalar  # here, not at import: scipy costs `marinctl --help` 0.3 s
+
     refined = minimize_scalar(error, bounds=(lo, hi), method="bounded", options={"xatol": 1e-6})
     E = float(refined.x) if refined.fun < error(candidates[best]) else float(candidates[best])
     return 0.0 if E < 1e-4 else E

@@ -15,7 +15,6 @@ from rich.table import Table
 from marinctl.counting import capacity, count_params, flops_per_token, memory_estimate
 from marinctl.errors import UserError
 from marinctl.hparams import hyperparams
-from marinctl.optim.groups import group_sizes
 from marinctl.params import recipe_device_count, resolve_mesh_shape
 from marinctl.recipe import Recipe
 from marinctl.stage import JsonOpt, QuietOpt, RecipeArg, SetOpt, Stage, VerboseOpt, console, emit_json, open_recipe
@@ -25,6 +24,8 @@ GiB = 2**30
 
 def plan_summary(recipe: Recipe, devices: int | None = None) -> dict[str, Any]:
     """Everything `plan` reports, as one JSON-able dict (the `--json` contract)."""
+    from marinctl.optim.groups import group_sizes  # here: marinctl.optim imports JAX, which `--help` need not
+
     n_dev = devices or recipe_device_count(recipe.parallel) or 1
     try:
         mesh = resolve_mesh_shape(recipe.parallel, n_dev)
