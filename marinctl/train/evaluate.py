@@ -88,30 +88,22 @@ class EvalStep:
 
     def __init__(self, recipe: Recipe, model_shardings, batch_sharding: NamedSharding) -> None:
         self._recipe, self._batch_sharding = recipe, batch_sharding
-        self._param_shardings = model_params(model_shardings)
-        self._replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
+        replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
         self._jitted = jax.jit(
             functools.partial(eval_sums, recipe=recipe),
-            in_shardings=(self._param_shardings, self._replicated, batch_sharding),
-            out_shardings=self._replicated,
+            in_shardings=(model_params(model_shardings), replicated, batch_sharding),
+            out_shardings=replicated,
         )
         self._call: Callable = self._jitted
 
-    def compile(self) -> EvalStep:
-        """Compile now, for the recipe's shapes, instead of at the first call: the trainer's precompile
-        thread builds a later context's eval step while training goes on, so the eval after a context
-        extension does not stall the run for its compiles."""
-        from marinctl.train.state import abstract_model
+    def compile(self, model, router_bias) -> EvalStep:
+        """Compile now, for the abstract state's model and router bias (`with_shardings(abstract_state(..))`),
+        instead of at the first call: the trainer's precompile thread builds a later context's eval step
+        while training goes on, so the eval after a context extension does not stall the run for its compiles."""
         from marinctl.train.step import batch_spec
 
-        params = {
-            path: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=self._param_shardings[path])
-            for path, leaf in model_params(abstract_model(self._recipe)).items()
-        }
-        shape = (self._recipe.model.num_layers, self._recipe.moe.num_experts)
-        bias = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=self._replicated)
         batch = batch_spec(self._recipe, self._batch_sharding, self._recipe.eval_rows)
-        self._call = self._jitted.lower(params, bias, batch).compile()
+        self._call = self.lower(model, router_bias, batch).compile()
         return self
 
     def __call__(self, model, router_bias: Array, batch: Batch) -> tuple[Array, Array]:

@@ -259,7 +259,7 @@ class _Run:
         from marinctl.train.evaluate import compile_eval_step
         from marinctl.train.metrics import MetricsLog, device_peak_flops, make_sinks
         from marinctl.train.monitors import HealthMonitor
-        from marinctl.train.state import abstract_state, init_state, make_optimizer, state_shardings, with_shardings
+        from marinctl.train.state import init_state
         from marinctl.train.step import compile_param_norms
 
         recipe, run_dir = self.recipe, self.options.run_dir
@@ -270,9 +270,7 @@ class _Run:
 
         self.mesh = make_mesh(recipe.parallel, self.devices)
         self.batch_sharding = batch_sharding(self.mesh)
-        optimizer = make_optimizer(recipe)
-        shardings = state_shardings(recipe, optimizer, self.mesh)
-        abstract = with_shardings(abstract_state(recipe, optimizer), shardings)
+        optimizer, shardings, abstract = self._layout(recipe)
 
         ckpt_dir = Path(recipe.checkpoint.dir) if recipe.checkpoint.dir else run_dir / "checkpoints"
         self.checkpoints = Checkpoints(ckpt_dir, recipe.checkpoint)
@@ -598,14 +596,19 @@ class _Run:
         self.train_step, self._shardings, abstract = self._compiled[key]
         return unflatten_like(abstract, flatten_state(state))
 
-    def _build_step(self, recipe: Recipe) -> tuple[Callable, Any, Any]:
-        """A segment's compiled train step, its state shardings and its abstract state."""
+    def _layout(self, recipe: Recipe) -> tuple[Any, Any, Any]:
+        """A segment's optimizer, state shardings and abstract (sharded) state."""
         from marinctl.train.state import abstract_state, make_optimizer, state_shardings, with_shardings
-        from marinctl.train.step import compile_train_step
 
         optimizer = make_optimizer(recipe)
         shardings = state_shardings(recipe, optimizer, self.mesh)
-        abstract = with_shardings(abstract_state(recipe, optimizer), shardings)
+        return optimizer, shardings, with_shardings(abstract_state(recipe, optimizer), shardings)
+
+    def _build_step(self, recipe: Recipe) -> tuple[Callable, Any, Any]:
+        """A segment's compiled train step, its state shardings and its abstract state."""
+        from marinctl.train.step import compile_train_step
+
+        optimizer, shardings, abstract = self._layout(recipe)
         return compile_train_step(recipe, optimizer, shardings, self.batch_sharding), shardings, abstract
 
     def _eval_contexts(self, current: Recipe) -> list[Recipe]:
@@ -620,10 +623,10 @@ class _Run:
         """An eval step for `recipe` over the model structure of `segment_recipe`'s segment, compiled now
         (on the precompile thread where it was queued, `_schedule_compiles`)."""
         from marinctl.train.evaluate import compile_eval_step
-        from marinctl.train.state import make_optimizer, state_shardings
 
-        shardings = state_shardings(segment_recipe, make_optimizer(segment_recipe), self.mesh)
-        return compile_eval_step(recipe, shardings.model, self.batch_sharding).compile()
+        _, shardings, abstract = self._layout(segment_recipe)
+        step = compile_eval_step(recipe, shardings.model, self.batch_sharding)
+        return step.compile(abstract.model, abstract.router_bias)
 
     def _eval_key(self, recipe: Recipe) -> tuple:
         from marinctl.train.evaluate import eval_key

@@ -71,13 +71,13 @@ def test_a_train_transport_switch_keeps_the_eval_program():
 
 def test_an_eval_step_compiled_ahead_equals_the_one_compiled_at_its_first_call():
     """The precompile thread compiles later contexts' eval steps ahead (`EvalStep.compile`) from the
-    recipe's abstract shapes alone; the executable must take the trainer's real state and batch and give
+    abstract state alone; the executable must take the trainer's real state and batch and give
     the lazily jitted step's sums bit for bit."""
     import jax
     import numpy as np
 
     from marinctl.routing.mesh import batch_sharding, make_mesh
-    from marinctl.train.state import init_state, make_optimizer, state_shardings
+    from marinctl.train.state import abstract_state, init_state, make_optimizer, state_shardings, with_shardings
     from marinctl.train.step import device_batch
 
     recipe = load_recipe(MICRO)
@@ -94,7 +94,8 @@ def test_an_eval_step_compiled_ahead_equals_the_one_compiled_at_its_first_call()
         n_bias = state.router_bias.size
         bias = state.router_bias + jax.numpy.linspace(-0.1, 0.1, n_bias).reshape(state.router_bias.shape)
         batch = device_batch(host, rows, recipe.eval_rows)
-        ahead = evaluate.compile_eval_step(recipe, shardings.model, rows).compile()
+        abstract = with_shardings(abstract_state(recipe, optimizer), shardings)
+        ahead = evaluate.compile_eval_step(recipe, shardings.model, rows).compile(abstract.model, abstract.router_bias)
         assert isinstance(ahead._call, jax.stages.Compiled)  # compiled before any call
         lazy = evaluate.compile_eval_step(recipe, shardings.model, rows)
         got, want = ahead(state.model, bias, batch), lazy(state.model, bias, batch)
