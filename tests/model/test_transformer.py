@@ -81,6 +81,34 @@ def test_init_follows_each_leaf_spec(tiny_recipe, tiny_model):
             assert np.all(w[:, 0] == 1) and np.all(w[:, 1:] == 0), path
 
 
+def test_init_draws_equal_draws_in_each_leaf_shape_on_any_mesh(tiny_recipe):
+    """`draw_shape` merges a leaf's unsharded trailing dims for its draw (a faster compile): the trainer's
+    threefry init must still equal a plain draw in the leaf's shape, off a mesh and sharded over 8 experts."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from marinctl.params import partition_spec
+    from marinctl.recipe import ParallelConfig
+    from marinctl.routing.mesh import make_mesh
+
+    key = jax.random.key(7)  # threefry, as `train.state.model_key`
+    table, sizes = param_table(tiny_recipe), {"replica": 1, "data": 1, "expert": 8}
+    std = tiny_recipe.model.init_scale / np.sqrt(tiny_recipe.model.hidden)
+    normal = {p: s for p, s in table.items() if s.init == "normal"}
+    draws = {p: (transformer.draw_shape(s, {}), transformer.draw_shape(s, sizes)) for p, s in normal.items()}
+    assert all(len(off) == 1 for off, _ in draws.values())  # off a mesh every draw is 1-D ...
+    assert any(len(s.shape) > len(on) > 1 for (_, on), s in zip(draws.values(), normal.values()))  # ... on it, expert stacks keep theirs
+    mesh = make_mesh(ParallelConfig(replica=1, data=1, expert=8))
+    shardings = {p: NamedSharding(mesh, PartitionSpec(*partition_spec(s, sizes))) for p, s in table.items()}
+    plain = jax.jit(lambda: transformer.init_params(tiny_recipe, key))()
+    with jax.set_mesh(mesh):
+        sharded = jax.jit(lambda: transformer.init_params(tiny_recipe, key), out_shardings=shardings)()
+    for path, spec in normal.items():
+        leaf_key = jax.random.fold_in(key, transformer.zlib.crc32(path.encode()) & 0x7FFFFFFF)
+        expected = np.asarray(std * jax.random.truncated_normal(leaf_key, -3.0, 3.0, spec.shape, jnp.float32))
+        np.testing.assert_array_equal(np.asarray(plain[path]), expected, err_msg=path)
+        np.testing.assert_array_equal(np.asarray(sharded[path]), expected, err_msg=path)
+
+
 def test_layer_facts_follow_the_local_global_pattern(tiny_recipe, tiny_model):
     facts = tiny_model.layer_facts()
     a = tiny_recipe.attention
