@@ -16,6 +16,7 @@ trainer passes the recipe in effect, and again the run's first context (`marinct
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -23,6 +24,7 @@ from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array
 
@@ -65,16 +67,28 @@ _DROPPING_ONLY = ("transport", "capacity_factor", "sender_capacity_factor", "wav
 
 def eval_key(recipe: Recipe, n_devices: int) -> tuple:
     """What a compiled eval step depends on: equal keys share one executable (the train step's
-    `schedule.shape_key` would also tell apart recipes whose train transport, batch or steps differ)."""
+    `schedule.shape_key` would also tell apart recipes whose train transport, batch or steps differ).
+    `attention.qk_mult` is an input of the program (`eval_sums`), not part of it."""
     moe = dropless_recipe(recipe, n_devices).moe
     kept = tuple((f.name, getattr(moe, f.name)) for f in dataclasses.fields(moe) if f.name not in _DROPPING_ONLY)
-    return (recipe.train.seq_len, recipe.eval_rows, recipe.attention, moe.transport, kept)
+    a = recipe.attention
+    attention = tuple((f.name, getattr(a, f.name)) for f in dataclasses.fields(a) if f.name != "qk_mult")
+    return (recipe.train.seq_len, recipe.eval_rows, attention, moe.transport, kept)
 
 
-def eval_sums(params: Mapping[str, Array], router_bias: Array, batch: Batch, recipe: Recipe) -> tuple[Array, Array]:
+def eval_sums(
+    params: Mapping[str, Array], router_bias: Array, batch: Batch, qk_mult: Array, recipe: Recipe
+) -> tuple[Array, Array]:
     """(Σ token CE in nats, Σ scored tokens) of one batch, dropless, with the training router bias.
-    `recipe.moe.transport` must already be a dropless one (`dropless_recipe`)."""
-    dropless = build_model(recipe, params)
+    `recipe.moe.transport` must already be a dropless one (`dropless_recipe`). `qk_mult` (a scalar) stands in
+    for `recipe.attention.qk_mult`: a context extension raises it (docs/recipe.md §8), and the eval at the
+    run's first context after one then reuses the program compiled before it. It enters as the learnable
+    per-head factor over a fixed multiplier of 1, the same product with the same operands."""
+    attention = dataclasses.replace(recipe.attention, qk_mult=1.0, qk_mult_learnable=True)
+    L, H = recipe.model.num_layers, recipe.model.num_heads
+    learned = params.get("blocks.attention.qk_mult", jnp.ones((L, H), jnp.float32))
+    params = {**params, "blocks.attention.qk_mult": learned * qk_mult}
+    dropless = build_model(recipe.replace(attention=attention), params)
     logits, _ = dropless(batch["tokens"], batch["segment_ids"], router_bias)
     ce = lm_loss(logits, batch["targets"], batch["loss_mask"], 0.0)[1]["ce"]
     n_tokens = jnp.sum(batch["loss_mask"])
@@ -91,10 +105,20 @@ class EvalStep:
         replicated = NamedSharding(batch_sharding.mesh, PartitionSpec())
         self._jitted = jax.jit(
             functools.partial(eval_sums, recipe=recipe),
-            in_shardings=(model_params(model_shardings), replicated, batch_sharding),
+            in_shardings=(model_params(model_shardings), replicated, batch_sharding, replicated),
             out_shardings=replicated,
         )
         self._call: Callable = self._jitted
+        self._qk_mult = _scalar(recipe.attention.qk_mult, replicated)
+
+    def at(self, recipe: Recipe) -> EvalStep:
+        """This step's program for `recipe`, of the same `eval_key` but perhaps another `attention.qk_mult`."""
+        if recipe.attention.qk_mult == self._recipe.attention.qk_mult:
+            return self
+        other = copy.copy(self)
+        other._recipe = self._recipe.replace(attention=recipe.attention)
+        other._qk_mult = _scalar(recipe.attention.qk_mult, self._qk_mult.sharding)
+        return other
 
     def compile(self, model, router_bias) -> EvalStep:
         """Compile now, for the abstract state's model and router bias (`with_shardings(abstract_state(..))`),
@@ -107,10 +131,15 @@ class EvalStep:
         return self
 
     def __call__(self, model, router_bias: Array, batch: Batch) -> tuple[Array, Array]:
-        return self._call(model_params(model), router_bias, batch)
+        return self._call(model_params(model), router_bias, batch, self._qk_mult)
 
     def lower(self, model, router_bias, batch) -> jax.stages.Lowered:
-        return self._jitted.lower(model_params(model), router_bias, batch)
+        return self._jitted.lower(model_params(model), router_bias, batch, self._qk_mult)
+
+
+def _scalar(value: float, sharding: NamedSharding) -> Array:
+    """An f32 scalar on `sharding`'s devices (every process gives the same value)."""
+    return jax.make_array_from_callback((), sharding, lambda _: np.float32(value))
 
 
 def compile_eval_step(recipe: Recipe, model_shardings, batch_sharding: NamedSharding) -> EvalStep:

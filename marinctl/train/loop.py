@@ -708,7 +708,7 @@ class _Run:
                 build = functools.partial(self._build_eval_step, recipe, current)
                 self._eval_steps[key] = self.eval_step if same else self.precompiler.get(("eval", key), build)
             result = evaluate(
-                self._eval_steps[key],
+                self._eval_steps[key].at(recipe),  # one program for each qk_mult at a context
                 state.model,
                 state.router_bias,
                 self.loader,

@@ -54,19 +54,69 @@ def _lowered_eval(recipe, model_recipe=None) -> str:
         return step.lower(state.model, state.router_bias, batch_spec(recipe, rows, recipe.eval_rows)).as_text()
 
 
-def test_a_train_transport_switch_keeps_the_eval_program():
-    """The run keys its eval programs by `eval_key`, so the hero's pooled -> ragged switch reuses the
-    eval step compiled before it. The key may leave out only what the dropless program does not read:
-    recipes with equal keys lower to the same program, and what it does read tells keys apart."""
+def test_a_train_transport_switch_and_a_new_qk_mult_keep_the_eval_program():
+    """The run keys its eval programs by `eval_key`, so the hero's pooled -> ragged switch, and the eval at
+    the first context after an extension raised `qk_mult`, reuse the eval step compiled before. The key may
+    leave out only what the dropless program does not read: recipes with equal keys lower to the same
+    program, and what it does read tells keys apart."""
     base = load_recipe(MICRO)
     n = 8
     switched = load_recipe(MICRO, ["moe.transport=pooled", "moe.capacity_factor=1.5", "moe.waves=2"])
-    assert evaluate.eval_key(switched, n) == evaluate.eval_key(base, n)
-    assert _lowered_eval(switched) == _lowered_eval(base) == _lowered_eval(base, model_recipe=switched)
-    assert _lowered_eval(load_recipe(MICRO, ["attention.qk_mult=1.5"])) != _lowered_eval(base)  # the check bites
-    for other in (["attention.qk_mult=1.5"], ["train.seq_len=64", "train.batch_size=4", "eval.batch_size=8"],
+    raised = load_recipe(MICRO, ["attention.qk_mult=1.5"])
+    assert evaluate.eval_key(switched, n) == evaluate.eval_key(base, n) == evaluate.eval_key(raised, n)
+    lowered = _lowered_eval(base)
+    assert _lowered_eval(switched) == lowered == _lowered_eval(base, model_recipe=switched) == _lowered_eval(raised)
+    assert _lowered_eval(load_recipe(MICRO, ["moe.router_weight_sum=2.0"])) != lowered  # the check bites
+    for other in (["attention.qk_mult_learnable=true"], ["train.seq_len=64", "train.batch_size=4", "eval.batch_size=8"],
                   ["eval.batch_size=8"], ["moe.router_weight_sum=2.0"]):  # fmt: skip
         assert evaluate.eval_key(load_recipe(MICRO, other), n) != evaluate.eval_key(base, n), other
+
+
+@pytest.mark.parametrize("learnable", [False, True])
+def test_an_eval_step_at_another_qk_mult_equals_a_model_built_with_it(learnable):
+    """`EvalStep.at` feeds another `qk_mult` to the program compiled for the first: its sums must equal a
+    forward of the model built with that multiplier (the static config, as training runs it), and differ
+    from the first multiplier's. With the learnable per-head factor the two multiply."""
+    import jax
+    import numpy as np
+
+    from marinctl.model.loss import lm_loss
+    from marinctl.model.transformer import build_model, model_params
+    from marinctl.routing.mesh import batch_sharding, make_mesh
+    from marinctl.train.state import init_state, make_optimizer, state_shardings
+    from marinctl.train.step import device_batch
+
+    extra = [f"attention.qk_mult_learnable={str(learnable).lower()}"]
+    base, raised = load_recipe(MICRO, extra), load_recipe(MICRO, [*extra, "attention.qk_mult=1.7"])
+    mesh = make_mesh(base.parallel, jax.devices())
+    rows = batch_sharding(mesh)
+    optimizer = make_optimizer(base)
+    shardings = state_shardings(base, optimizer, mesh)
+    shape = (base.eval_rows, base.train.seq_len)
+    tokens = np.random.default_rng(1).integers(0, base.model.vocab_size, shape, dtype=np.int32)
+    host = {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1), "segment_ids": np.ones(shape, np.int32),
+            "loss_mask": np.ones(shape, np.float32)}  # fmt: skip
+    with jax.set_mesh(mesh):
+        state = jax.jit(lambda: init_state(base, optimizer), out_shardings=shardings)()
+        params = model_params(state.model)
+        if learnable:  # a trained per-head factor, not its init of ones
+            factor = params["blocks.attention.qk_mult"]
+            params["blocks.attention.qk_mult"] = jax.numpy.linspace(0.8, 1.2, factor.size).reshape(factor.shape)
+        model = build_model(base, params)
+        batch = device_batch(host, rows, base.eval_rows)
+        step = evaluate.compile_eval_step(base, shardings.model, rows)
+        first, got = step(model, state.router_bias, batch), step.at(raised)(model, state.router_bias, batch)
+
+        @jax.jit
+        def reference(params, bias, batch):  # the static multiplier, as `eval_sums` was before it took one
+            dropless = build_model(evaluate.dropless_recipe(raised, mesh.size), params)
+            logits, _ = dropless(batch["tokens"], batch["segment_ids"], bias)
+            return lm_loss(logits, batch["targets"], batch["loss_mask"], 0.0)[1]["ce"] * batch["loss_mask"].sum()
+
+        want = reference(params, state.router_bias, batch)
+    np.testing.assert_allclose(float(got[0]), float(want), rtol=1e-6)
+    # The multiplier reached the model: at init its loss moves little (~7e-5), but 10x past the tolerance.
+    assert abs(float(got[0]) - float(first[0])) > 1e-5 * abs(float(first[0]))
 
 
 def test_an_eval_step_compiled_ahead_equals_the_one_compiled_at_its_first_call():
