@@ -54,6 +54,24 @@ def _lowered_eval(recipe, model_recipe=None) -> str:
         return step.lower(state.model, state.router_bias, batch_spec(recipe, rows, recipe.eval_rows)).as_text()
 
 
+def _micro_eval_setup(recipe, seed: int):
+    """The micro recipe's mesh, batch sharding, optimizer and state shardings on the test devices, and one
+    host eval batch of random tokens."""
+    import jax
+    import numpy as np
+
+    from marinctl.routing.mesh import batch_sharding, make_mesh
+    from marinctl.train.state import make_optimizer, state_shardings
+
+    mesh = make_mesh(recipe.parallel, jax.devices())
+    optimizer = make_optimizer(recipe)
+    shape = (recipe.eval_rows, recipe.train.seq_len)
+    tokens = np.random.default_rng(seed).integers(0, recipe.model.vocab_size, shape, dtype=np.int32)
+    host = {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1), "segment_ids": np.ones(shape, np.int32),
+            "loss_mask": np.ones(shape, np.float32)}  # fmt: skip
+    return mesh, batch_sharding(mesh), optimizer, state_shardings(recipe, optimizer, mesh), host
+
+
 def test_a_train_transport_switch_and_a_new_qk_mult_keep_the_eval_program():
     """The run keys its eval programs by `eval_key`, so the hero's pooled -> ragged switch, and the eval at
     the first context after an extension raised `qk_mult`, reuse the eval step compiled before. The key may
@@ -82,20 +100,12 @@ def test_an_eval_step_at_another_qk_mult_equals_a_model_built_with_it(learnable)
 
     from marinctl.model.loss import lm_loss
     from marinctl.model.transformer import build_model, model_params
-    from marinctl.routing.mesh import batch_sharding, make_mesh
-    from marinctl.train.state import init_state, make_optimizer, state_shardings
+    from marinctl.train.state import init_state
     from marinctl.train.step import device_batch
 
     extra = [f"attention.qk_mult_learnable={str(learnable).lower()}"]
     base, raised = load_recipe(MICRO, extra), load_recipe(MICRO, [*extra, "attention.qk_mult=1.7"])
-    mesh = make_mesh(base.parallel, jax.devices())
-    rows = batch_sharding(mesh)
-    optimizer = make_optimizer(base)
-    shardings = state_shardings(base, optimizer, mesh)
-    shape = (base.eval_rows, base.train.seq_len)
-    tokens = np.random.default_rng(1).integers(0, base.model.vocab_size, shape, dtype=np.int32)
-    host = {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1), "segment_ids": np.ones(shape, np.int32),
-            "loss_mask": np.ones(shape, np.float32)}  # fmt: skip
+    mesh, rows, optimizer, shardings, host = _micro_eval_setup(base, seed=1)
     with jax.set_mesh(mesh):
         state = jax.jit(lambda: init_state(base, optimizer), out_shardings=shardings)()
         params = model_params(state.model)
@@ -126,19 +136,12 @@ def test_an_eval_step_compiled_ahead_equals_the_one_compiled_at_its_first_call()
     import jax
     import numpy as np
 
-    from marinctl.routing.mesh import batch_sharding, make_mesh
-    from marinctl.train.state import abstract_state, init_state, make_optimizer, state_shardings, with_shardings
+    from marinctl.train.state import abstract_state, init_state, with_shardings
     from marinctl.train.step import device_batch
 
     recipe = load_recipe(MICRO)
-    mesh = make_mesh(recipe.parallel, jax.devices())
-    rows = batch_sharding(mesh)
-    optimizer = make_optimizer(recipe)
-    shardings = state_shardings(recipe, optimizer, mesh)
-    shape = (recipe.eval_rows, recipe.train.seq_len)
-    tokens = np.random.default_rng(0).integers(0, recipe.model.vocab_size, shape, dtype=np.int32)
-    host = {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1), "segment_ids": np.ones(shape, np.int32),
-            "loss_mask": np.ones(shape, np.float32)}  # fmt: skip
+    mesh, rows, optimizer, shardings, host = _micro_eval_setup(recipe, seed=0)
+    shape = host["tokens"].shape
     with jax.set_mesh(mesh):
         state = jax.jit(lambda: init_state(recipe, optimizer), out_shardings=shardings)()
         n_bias = state.router_bias.size
