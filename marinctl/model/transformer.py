@@ -262,7 +262,7 @@ def draw_shape(spec: ParamSpec, mesh: Mapping[str, int]) -> tuple[int, ...]:
     `mesh`, then the rest merged into one. Partitionable threefry numbers the elements in row-major order
     whatever the shape, so the values are the same as drawn in `spec.shape` (on any mesh), each device still
     draws only its shard, and XLA:CPU compiles a 1-D draw in a fraction of the time of a 3- or 4-D one (the
-    tiny recipe's initializer: 5.9 → 1.4 s, bench/README.md stop 30)."""
+    tiny recipe's initializer: 5.5 → 1.6 s, bench/README.md stops 30–32)."""
     parts = partition_spec(spec, dict(mesh))
     last = max((i for i, part in enumerate(parts) if part is not None), default=-1)
     if last == len(spec.shape) - 1:

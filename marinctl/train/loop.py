@@ -303,9 +303,9 @@ class _Run:
                 self._shardings = shardings
                 first = segment_at(self.segments, start)
                 ahead = recipe.runtime.precompile
-                # Start-up runs three compiles: the state's initializer (its RNG alone ~5 s in the tiny demo),
+                # Start-up runs three compiles: the state's initializer (~1.6 s in the tiny demo),
                 # the first train step and the base eval step. One core compiles the train step while the
-                # other initializes and compiles the eval step (bench/README.md, stop 30).
+                # other initializes and compiles the eval step (bench/README.md, stops 30–32).
                 build = functools.partial(self._build_step, first.recipe)
                 self.precompiler = Precompiler(self.mesh, [(("train", first.shape_key), build)] if ahead else [])
                 if state is None:
