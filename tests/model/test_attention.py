@@ -384,6 +384,34 @@ def test_xsa_on_grouped_values_equals_xsa_on_values_gathered_per_head():
     )
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_xsa_and_its_gradients_equal_a_float64_reference(kv_heads):
+    """XSA's own paths (one KV head broadcast as it is, several grouped) against the §2.6 formula in float64,
+    each head reading its KV head through `kv_head_map`; the gradients through jax.grad against float64 JAX
+    autodiff of the per-head formula."""
+    rng = np.random.default_rng(5)
+    y = rng.normal(size=(2, 6, 4, 8))
+    v = rng.normal(size=(2, 6, kv_heads, 8))
+    w = rng.normal(size=y.shape)
+    heads = np.asarray(kv_head_map(4, kv_heads))
+
+    def reference(y, v):
+        vh = v[:, :, heads]
+        coef = (y * vh).sum(-1, keepdims=True) / ((vh * vh).sum(-1, keepdims=True) + 1e-6)
+        return y - coef * vh
+
+    def loss(fn, y, v):
+        return jnp.sum(fn(y, v) * w)
+
+    f32 = [jnp.asarray(t, jnp.float32) for t in (y, v)]
+    np.testing.assert_allclose(np.asarray(exclusive_self_attention(*f32)), reference(y, v), rtol=1e-5, atol=1e-5)
+    with jax.enable_x64():
+        want = jax.grad(lambda y, v: loss(reference, y, v), argnums=(0, 1))(jnp.asarray(y), jnp.asarray(v))
+    got = jax.grad(lambda y, v: loss(exclusive_self_attention, y, v), argnums=(0, 1))(*f32)
+    for g, r in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("is_global", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_attention_module_gradients_equal_the_gathered_full_square_path(is_global, monkeypatch):
     """The whole module (QK norm, partial RoPE, SConv, XSA, gate) under the layer-kind `lax.cond`, against
