@@ -240,7 +240,7 @@ def exclusive_self_attention(y: Float[Array, "b s h d"], v: Float[Array, "b s kv
     B, S, H, Dh = y.shape
     kv = v.shape[2]
     if kv == 1:
-        # One KV head (the global layers' 4:1 GQA): [b, s, 1, d] broadcasts over the heads as it is. The
+        # One KV head (the tiny recipe's global layer; the hero's have 6): [b, s, 1, d] broadcasts over the heads. The
         # grouped 5-D form's two unit axes ran forward + backward ~12x slower on XLA:CPU (14.1 vs 1.0 ms at
         # [8, 256, 4, 64]; bench/README.md, stop 34).
         y32, v32 = y.astype(F32), v.astype(F32)
