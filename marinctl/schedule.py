@@ -253,7 +253,7 @@ def validate_changes(recipe: Recipe, fail: Callable[[str, str], None]) -> None:
         if seq_len is not None:
             where = f"{key}.train.seq_len"
             if tokens % seq_len:
-                fail(where, f"{seq_len} does not divide the {tokens:,} tokens per step")
+                fail(where, f"{seq_len} does not divide the run's {tokens:,} tokens per step")
             rows = tokens // seq_len
             if rows % recipe.train.grad_accum or rows % fixed_devices:
                 fail(where, f"{seq_len} leaves {rows} sequences per step, which do not split over the "
@@ -409,7 +409,8 @@ def _check_mesh(recipe: Recipe, run_dir: Path) -> None:
     if not devices:
         return
     for seg in segments(recipe):
-        check_batch_divides(seg.recipe, devices, 1, where=f"--seq-len {seg.recipe.train.seq_len}")
+        where = f"--seq-len {seg.recipe.train.seq_len}"
+        check_batch_divides(seg.recipe, devices, 1, where=where, first_seq_len=recipe.train.seq_len)
 
 
 def checkpoint_meta(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
@@ -464,10 +465,10 @@ def eval_recipe(recipe: Recipe, step: int, seq_len: int | None = None) -> Recipe
         return current
     tokens = recipe.tokens_per_step
     if seq_len < 2 or tokens % seq_len:
-        raise UserError(f"--seq-len {seq_len}: does not divide the {tokens:,} tokens per step")
+        raise UserError(f"--seq-len {seq_len}: does not divide the run's {tokens:,} tokens per step")
     if recipe.attention.window > seq_len:
         raise UserError(f"--seq-len {seq_len}: shorter than attention.window={recipe.attention.window}")
     eval_tokens = current.eval_tokens_per_batch
     if eval_tokens % seq_len:
-        raise UserError(f"--seq-len {seq_len}: does not divide the {eval_tokens:,} tokens per eval batch")
+        raise UserError(f"--seq-len {seq_len}: does not divide the run's {eval_tokens:,} tokens per eval batch")
     return at_context(current, seq_len)

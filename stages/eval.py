@@ -124,8 +124,9 @@ def run_eval(
     weights = restore_weights(recipe, run_dir, step, mesh)
     from marinctl.schedule import eval_recipe
 
+    first_seq_len = recipe.train.seq_len
     recipe = eval_recipe(recipe, weights.step, seq_len)
-    check_eval_rows(recipe, len(devices), where=f"--seq-len {recipe.train.seq_len}")
+    check_eval_rows(recipe, len(devices), where=f"--seq-len {recipe.train.seq_len}", first_seq_len=first_seq_len)
     with jax.set_mesh(mesh):
         model = build_model(recipe, weights.params)
         shardings = param_shardings(model, recipe, mesh)

@@ -132,7 +132,7 @@ def compare_transports(run_dir: Path, moe: dict[str, Any], k: int) -> dict[str, 
     from marinctl.train.launch import check_batch_divides
 
     devices = jax.devices()
-    check_batch_divides(current, len(devices), 1)
+    check_batch_divides(current, len(devices), 1, first_seq_len=recipe.train.seq_len)
     mesh = make_mesh(recipe.parallel, devices)
     rows = batch_sharding(mesh)
     ensure_builtin_corpus(recipe)

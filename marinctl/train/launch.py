@@ -52,9 +52,12 @@ def _per_device(mem: Any) -> str:
     )
 
 
-def check_batch_divides(recipe: Recipe, n_devices: int, process_count: int, where: str | None = None) -> None:
+def check_batch_divides(
+    recipe: Recipe, n_devices: int, process_count: int, where: str | None = None, first_seq_len: int | None = None
+) -> None:
     """Every device must get whole rows of every micro-batch and eval batch, every host whole rows.
-    `where` names what set the rows in the message (default: the recipe's file)."""
+    `where` names what set the rows in the message (default: the recipe's file); `first_seq_len` is the
+    run's first context, for a segment the schedule re-derived (`check_eval_rows`)."""
     where = where or recipe.source
     t = recipe.train
     micro = t.batch_size // t.grad_accum
@@ -63,17 +66,21 @@ def check_batch_divides(recipe: Recipe, n_devices: int, process_count: int, wher
             f"{where}: train.batch_size: {t.batch_size} / grad_accum {t.grad_accum} = {micro} rows per "
             f"micro-batch do not split over {n_devices} devices"
         )
-    check_eval_rows(recipe, n_devices, where)
+    check_eval_rows(recipe, n_devices, where, first_seq_len)
     if t.batch_size % process_count or recipe.eval_rows % process_count:
         raise UserError(f"{where}: train/eval batch sizes do not split over {process_count} processes")
 
 
-def check_eval_rows(recipe: Recipe, n_devices: int, where: str | None = None) -> None:
-    """Every device must get whole rows of every eval batch (`marinctl eval` needs only this half)."""
+def check_eval_rows(recipe: Recipe, n_devices: int, where: str | None = None, first_seq_len: int | None = None) -> None:
+    """Every device must get whole rows of every eval batch (`marinctl eval` needs only this half). An
+    explicit `eval.batch_size` holds its tokens, not its rows, across a context change: the message says
+    so only where the context differs from the run's first (`first_seq_len`)."""
     rows = recipe.eval_rows
     if recipe.eval.sources and rows % n_devices:
-        t = recipe.train
-        at = f" at seq_len {t.seq_len} (a context change keeps eval tokens per batch)" if recipe.eval.batch_size else ""
+        seq_len = recipe.train.seq_len
+        changed = first_seq_len is not None and first_seq_len != seq_len
+        why = " (a context change keeps eval tokens per batch)" if changed else ""
+        at = f" at seq_len {seq_len}{why}" if recipe.eval.batch_size else ""
         raise UserError(
             f"{where or recipe.source}: eval.batch_size: {rows} rows{at} do not split over {n_devices} devices"
         )

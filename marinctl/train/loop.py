@@ -215,7 +215,7 @@ def run(recipe: Recipe, options: RunOptions) -> RunSummary:
         given, recipe = recipe, with_recorded(recipe, options.run_dir)  # + switch-ep / extend-context changes
         sizes = check_fits(recipe, devices)
         for segment in segments(recipe):  # every shape the schedule will train (docs/recipe.md §8)
-            check_batch_divides(segment.recipe, len(devices), process_count)
+            check_batch_divides(segment.recipe, len(devices), process_count, first_seq_len=recipe.train.seq_len)
             check_fits(segment.recipe, devices)  # a longer context needs more activation memory
         job = _Run(recipe, options, devices, sizes, process_index, process_count, wall_start)
         job.saved_recipe = given  # RUN_DIR/recipe.toml keeps the recipe as given; recorded changes stay apart

@@ -137,7 +137,7 @@ def test_an_extension_holds_eval_tokens_per_batch(recipes, tiny_recipe):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ("{at_step=3, train={seq_len=48}}", "schedule.changes[0].train.seq_len: 48 does not divide the 512 tokens"),
+        ("{at_step=3, train={seq_len=48}}", "schedule.changes[0].train.seq_len: 48 does not divide the run's 512"),
         ("{at_step=3, train={seq_len=512}}", "schedule.changes[0].train.seq_len: 512 leaves 1 sequences per step"),
         ("{at_step=3, train={seq_len=8}}", "schedule.changes[0].train.seq_len: 8 is shorter than attention.window"),
         ('{at_step=3, moe={transport="teleport"}}', "schedule.changes[0].moe.transport: must be one of"),

@@ -195,7 +195,7 @@ def test_compare_runs_both_transports_from_the_newest_checkpoint_and_writes_noth
     ("args", "message"),
     [
         (["switch-ep", "{run}", "--transport", "teleport"], "--transport 'teleport': choose one of"),
-        (["extend-context", "{run}", "--seq-len", "48"], "--seq-len: 48 does not divide the 512 tokens per step"),
+        (["extend-context", "{run}", "--seq-len", "48"], "--seq-len: 48 does not divide the run's 512 tokens per step"),
         (["extend-context", "{run}", "--seq-len", "256"], "--seq-len 256: train.batch_size: 2 / grad_accum 1 = 2 rows"),
         (["extend-context", "{run}", "--seq-len", "64", "--at-step", "3"], "--at-step 3: already passed"),
         (["extend-context", "{run}", "--seq-len", "64", "--at-step", "99"], "--at-step 99: past the run's last step"),

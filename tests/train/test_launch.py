@@ -55,3 +55,21 @@ def test_state_that_cannot_fit_device_memory_fails_fast_naming_the_figures(monke
         launch.check_fits(recipe, jax.devices())
     monkeypatch.setattr(launch, "device_memory_bytes", lambda device, n: 1 << 40)
     assert launch.check_fits(recipe, jax.devices()) == {"replica": 1, "data": 8, "expert": 1}
+
+
+def test_eval_rows_that_do_not_split_explain_the_context_change_only_after_one():
+    import pytest
+
+    from marinctl.errors import UserError
+    from marinctl.schedule import at_context
+    from marinctl.train.launch import check_eval_rows
+
+    tiny = load_recipe(TINY)  # eval.batch_size 16 at seq_len 256
+    clause = "a context change keeps eval tokens per batch"
+    with pytest.raises(UserError, match="16 rows at seq_len 256 do not split over 3 devices") as err:
+        check_eval_rows(tiny, 3, first_seq_len=256)
+    assert clause not in str(err.value)
+    longer = at_context(tiny, 1024)  # 16 x 256 tokens held: 4 rows of 1,024
+    with pytest.raises(UserError, match=rf"4 rows at seq_len 1024 \({clause}\) do not split over 3 devices"):
+        check_eval_rows(longer, 3, where="--seq-len 1024", first_seq_len=256)
+    check_eval_rows(longer, 2, first_seq_len=256)  # 4 rows split over 2 devices
