@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from marinctl.model.attention_blocks import global_scores, local_scores
 from marinctl.params import ParamSpec, param_table, partition_spec, shard_size
 from marinctl.recipe import Recipe
 
@@ -324,18 +325,16 @@ def memory_estimate(recipe: Recipe, mesh: dict[str, int], platform: Platform = "
     attn_b = T * (proj + xsa + gate + D * act)
     if impl == "xla":
         # Per score element: fp32 scores and their softmax, the probabilities in the compute dtype and
-        # the mask. Global layers take the full square; local layers the band of key blocks
-        # (marinctl/model/attention.py: query blocks of `window`, each reading its own and the previous
-        # blocks). The layer kind is a `lax.cond`, whose outputs carry both branches' residuals, so
-        # both shapes stay allocated through the block's backward (the compiled steps' peaks show them).
+        # the mask. Global layers compute the block-causal part of the square, local layers the band of key
+        # blocks: exactly the scores marinctl/model/attention.py computes (the geometry is shared,
+        # marinctl/model/attention_blocks.py). Under remat the layer kind is a `lax.cond`, whose outputs carry
+        # both branches' residuals, so both shapes stay allocated through the block's backward (the
+        # compiled steps' peaks show them).
         per_score = 2 * f4 + act + 1
-        square = S * S if n_global else 0
+        scores = global_scores(S) if n_global else 0
         if n_global < L:
-            block_q = min(a.window, S)
-            n_q = -(-S // block_q)
-            band = n_q * block_q * (1 + -(-(a.window - 1) // block_q)) * block_q if block_q < S else S * S
-            square += band
-        attn_b += rows * H * square * per_score
+            scores += local_scores(S, a.window)
+        attn_b += rows * H * scores * per_score
     else:  # flash attention keeps the log-sum-exp per query and head; the rest is tiled on chip
         attn_b += T * H * f4
     cap = capacity(recipe, T, mesh.get("expert", 1))

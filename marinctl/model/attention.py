@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from marinctl.errors import UserError
+from marinctl.model.attention_blocks import band_shape, causal_bounds
 from marinctl.model.layers import F32, ShortConv, linear, rms_norm
 from marinctl.recipe import AttentionConfig
 
@@ -98,26 +99,11 @@ def masked_softmax_attention(
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
-def causal_blocks(seq_len: int) -> int:
-    """How many query blocks the full (global) path cuts the sequence into: 4 from S = 256, 8 from 1,024, one
-    below 256. Block i attends only the keys before its end, so the scores cost (n+1)/2n of the square (62%
-    with 4 blocks, 56% with 8). Measured on XLA:CPU, forward + backward (bench/README.md): 1.6-2× faster than
-    the whole square at S = 256-1,024; more, smaller blocks ran slower (smaller matmuls)."""
-    return 1 if seq_len < 256 else 4 if seq_len < 1024 else 8
-
-
 def _grouped_queries(q: Float[Array, "b s h d"], kv_heads: int) -> Float[Array, "b kv g s d"]:
     """Query head h = kv·G + g reads KV head kv (the `kv_head_map` grouping). Heads move in front of the
     sequence: XLA:CPU runs the batched matmuls ~2× faster in that layout."""
     B, S, H, Dh = q.shape
     return q.reshape(B, S, kv_heads, H // kv_heads, Dh).transpose(0, 2, 3, 1, 4)
-
-
-def band_block(max_window: int) -> int:
-    """Query block of the banded path: half the window (3 key blocks, 1.5·W keys per query) once the window
-    is large enough for half-window matmuls to stay efficient; measured fastest on XLA:CPU at W = 64
-    (1.1–1.4× over whole-window blocks at S = 512–1024, equal at 256)."""
-    return max_window // 2 if max_window >= 64 else max_window
 
 
 def _ungroup(y: Float[Array, "b kv g s d"], length: int) -> Float[Array, "b s h d"]:
@@ -151,8 +137,8 @@ def full_attention(
     mask = jnp.broadcast_to(attention_mask(segment_ids, window)[:, None], (B, kv, S, S)).reshape(B * kv, 1, S, S)
     qg = _grouped_queries(q, kv).reshape(B * kv, H // kv, S, Dh)
     kh, vh = (jnp.swapaxes(t, 1, 2).reshape(B * kv, S, Dh) for t in (k, v))
-    n = blocks or causal_blocks(S)
-    bounds = [S * i // n for i in range(n + 1)]
+    bounds = causal_bounds(S, blocks)
+    n = len(bounds) - 1
     outs = [
         _grouped_rows(qg[:, :, lo:hi], kh[:, :hi], vh[:, :hi], mask[:, :, lo:hi, :hi])
         for lo, hi in itertools.pairwise(bounds)
@@ -201,11 +187,10 @@ def banded_attention(
     """
     B, S, H, Dh = q.shape
     kv = k.shape[2]
-    bq = block or band_block(max_window)
-    if bq >= S:
+    shape = band_shape(S, max_window, block)
+    if shape is None:
         return full_attention(q, k, v, segment_ids, window)
-    n = -(-S // bq)  # query blocks
-    nk = 1 + -(-(max_window - 1) // bq)  # key blocks per query block, its own included
+    bq, n, nk = shape  # query block, query blocks, key blocks per query block (its own included)
     front, back = (nk - 1) * bq, n * bq - S
 
     # [b, kv, n, g, bq, d]: each query block's G heads per KV head, batched over (b, kv, n)

@@ -15,7 +15,6 @@ from marinctl.model.attention import (
     LayerFacts,
     attention_mask,
     banded_attention,
-    causal_blocks,
     exclusive_self_attention,
     full_attention,
     fused_attention,
@@ -25,6 +24,7 @@ from marinctl.model.attention import (
     rope,
     select_impl,
 )
+from marinctl.model.attention_blocks import causal_blocks, global_scores, local_scores
 from marinctl.model.layers import ShortConv
 from marinctl.recipe import AttentionConfig
 
@@ -357,6 +357,25 @@ def test_causal_blocks_skip_the_upper_triangle_at_training_lengths():
     scores = [e.aval.shape for eqn in jaxpr.jaxpr.eqns if eqn.primitive.name == "dot_general" for e in eqn.outvars]
     key_lengths = sorted(shape[-1] for shape in scores if shape[-1] != 8)  # [b, h, q, keys]; 8 = head_dim
     assert key_lengths == [128, 256, 384, 512]  # 10 of 16 blocks of the square
+
+
+@pytest.mark.parametrize(("seq", "window"), [(512, 64), (200, 64), (1024, 256), (96, 16), (64, 64), (128, 8)])
+def test_the_planners_score_counts_are_the_scores_each_path_computes(seq, window):
+    """`global_scores` / `local_scores` (what marinctl.counting's planner counts) equal the score elements of
+    the dot products the two paths run, per query head and sequence, padding to whole blocks included."""
+    heads, kv = 4, 2
+    q, k, v = qkv(seq, kv, batch=1, heads=heads)
+    seg = jnp.ones((1, seq), jnp.int32)
+
+    def scores(fn):
+        jaxpr = jax.make_jaxpr(fn)(q, k, v)
+        outs = [e.aval.shape for eqn in jaxpr.jaxpr.eqns if eqn.primitive.name == "dot_general" for e in eqn.outvars]
+        return sum(int(np.prod(shape)) for shape in outs if shape[-1] != 8) // heads  # 8 = head_dim: P·V
+
+    full = scores(lambda q, k, v: full_attention(q, k, v, seg, jnp.asarray(UNBOUNDED_WINDOW)))
+    band = scores(lambda q, k, v: banded_attention(q, k, v, seg, jnp.asarray(window), window))
+    assert full == global_scores(seq)
+    assert band == local_scores(seq, window)
 
 
 def test_banded_attention_never_builds_a_sequence_squared_score_matrix():

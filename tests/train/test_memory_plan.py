@@ -10,6 +10,7 @@ offload moves to the host on a GPU is checked by lowering for CUDA (tests/model/
 """
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -94,6 +95,24 @@ def test_planner_agrees_with_xla_on_a_mid_size_sharded_step(tmp_path, capsys):
     assert compiled["difference"] == pytest.approx(plan["total"] / xla["peak"] - 1)
     # No host memory space on CPU: nothing offloaded on either side.
     assert xla["host_temp"] == plan["host_total"] == 0
+
+
+def test_planner_agrees_with_xla_on_the_heros_own_sharded_step(marinctl_process):
+    """The hero's real train step, compiled for one rack's 64 devices (its 11 replicas folded: every device's
+    shapes as on the full 704-device mesh) on simulated CPU devices: ~25 s, nothing allocated. On CPU it is the
+    XLA attention path's program (bf16, as the recipe says, with the masked-softmax scores), which the planner
+    is asked about for the CPU; the GPU plan differs only in attention (cuDNN) and the offloaded remat saves."""
+    launch, finish = marinctl_process
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
+    rc, report, _, err = finish(launch(["train", HERO, "--dry-run", "--compile", "--json"], env), timeout=600)
+    assert rc == 0, err
+    compiled = report["compiled"]
+    assert compiled["devices"] == 64 and compiled["replicas_folded"] == 11
+    xla, plan = compiled["xla_bytes"], compiled["planner_bytes"]
+    assert plan["platform"] == "cpu" and plan["attention_impl"] == "xla" and plan["compute_bytes"] == 2
+    assert xla["argument"] > report["per_device_bytes"]["params"] + report["per_device_bytes"]["optimizer"]
+    assert abs(plan["total"] / xla["peak"] - 1) < 0.10, (plan["total"], xla)
 
 
 def test_dry_run_reports_every_component_and_sums_them(capsys):
