@@ -6,8 +6,13 @@ Both train for real, one after the other on the same machine, each with every co
 
 * **MaxText** 0.2.5 (its own virtualenv: Python 3.12, `pip install maxtext==0.2.5`, then its decoupled
   requirements file) runs `maxtext.trainers.pre_train.train` on synthetic data with its AdamW: f32, dropless MoE
-  through `jax.lax.ragged_dot` (`sparse_matmul=True megablox=False capacity_factor=-1`), dot-product attention.
-  Its per-step log lines ("completed step: N, seconds: ...") give the step times.
+  through `jax.lax.ragged_dot` (`sparse_matmul=True megablox=False capacity_factor=-1`), dot-product attention,
+  `decoder_block=mixtral`: MaxText's default block (`llama2`) ignores `num_experts` and builds one dense MLP of
+  width `base_mlp_dim` per layer (0.001 billion parameters at these shapes against the MoE's 0.007), which is
+  what ../shared/bench/maxtext_cpu.sh trained until stop 37. `--maxtext-decoder-block llama2` runs that dense
+  model again, for reference. The parameter count MaxText logs is printed beside marinctl's, and a count short
+  of the routed experts' stops the script. Its per-step log lines ("completed step: N, seconds: ...") give the
+  step times.
 * **marinctl** runs `marinctl train bench/maxtext_shapes.toml` (built-in corpus, the hyperball optimizer, dropless
   `moe.transport`): the trainer's own `tokens_per_s` from `metrics.jsonl`.
 
@@ -49,9 +54,11 @@ SHAPES = {  # MaxText keys for the shapes of bench/maxtext_shapes.toml
     "per_device_batch_size": 8,
     "max_target_length": 512,
 }
+MOE_BLOCK = "mixtral"  # MaxText's decoder block with routed experts (RoutedMoE); its default llama2 block is dense
+PARAMS_LINE = re.compile(r"number parameters: ([\d.]+) billion")
 
 
-def maxtext_command(venv: Path, out_dir: str, steps: int) -> list[str]:
+def maxtext_command(venv: Path, out_dir: str, steps: int, decoder_block: str = MOE_BLOCK) -> list[str]:
     """The invocation of /work/shared/bench/maxtext_cpu.sh (dropless ragged_dot MoE, f32, synthetic data)."""
     cfg = venv / "lib" / "python3.12" / "site-packages" / "maxtext" / "configs" / "decoupled_base_test.yml"
     if not cfg.is_file():
@@ -67,6 +74,7 @@ def maxtext_command(venv: Path, out_dir: str, steps: int) -> list[str]:
         "dataset_type": "synthetic",
         "steps": steps,
         **SHAPES,
+        "decoder_block": decoder_block,
         "sparse_matmul": "True",
         "megablox": "False",
         "capacity_factor": -1,
@@ -82,20 +90,25 @@ def maxtext_command(venv: Path, out_dir: str, steps: int) -> list[str]:
     ]
 
 
-def run_maxtext(venv: Path, steps: int, warmup: int, xla_flags: str = "") -> list[float]:
-    """Tokens/s of each MaxText step >= warmup (under `xla_flags`, default none: MaxText's own XLA defaults)."""
+def run_maxtext(
+    venv: Path, steps: int, warmup: int, xla_flags: str = "", decoder_block: str = MOE_BLOCK
+) -> tuple[list[float], float | None]:
+    """(tokens/s of each MaxText step >= warmup, the parameters MaxText logs in billions), under `xla_flags`
+    (default none: MaxText's own XLA defaults)."""
     with tempfile.TemporaryDirectory(prefix="maxtext-") as out:
         env = {**os.environ, "DECOUPLE_GCLOUD": "TRUE", "JAX_PLATFORMS": "cpu"}
         env.pop("PYTHONPATH", None)  # marinctl's path must not leak into MaxText's interpreter
         env.pop("XLA_FLAGS", None)
         if xla_flags:
             env["XLA_FLAGS"] = xla_flags
-        proc = subprocess.run(maxtext_command(venv, out, steps), env=env, capture_output=True, text=True)
-    found = [(int(m[1]), float(m[2]), float(m[3])) for m in STEP_LINE.finditer(proc.stdout + proc.stderr)]
+        cmd = maxtext_command(venv, out, steps, decoder_block)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    found = [(int(m[1]), float(m[2]), float(m[3])) for m in STEP_LINE.finditer(log)]
     if proc.returncode != 0 or not found:
-        tail = (proc.stdout + proc.stderr)[-3000:]
-        raise SystemExit(f"MaxText failed (exit {proc.returncode}), last output:\n{tail}")
-    return [tokens for step, _, tokens in found if step >= warmup]
+        raise SystemExit(f"MaxText failed (exit {proc.returncode}), last output:\n{log[-3000:]}")
+    params = PARAMS_LINE.search(log)
+    return [tokens for step, _, tokens in found if step >= warmup], float(params[1]) if params else None
 
 
 def run_marinctl(steps: int, warmup: int, transport: str, data_root: str | None, extra: list[str]) -> list[float]:
@@ -128,14 +141,25 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run MaxText under marinctl's CPU default XLA flags (marinctl/runtime.py) and report both",
     )
+    parser.add_argument(
+        "--maxtext-decoder-block",
+        default=MOE_BLOCK,
+        help=f"MaxText decoder_block (default {MOE_BLOCK}: the MoE; llama2, MaxText's default, is a dense model)",
+    )
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
 
     sys.path.insert(0, str(REPO))
+    from marinctl.counting import count_params
+    from marinctl.recipe import load_recipe
     from marinctl.runtime import CPU_DEFAULT_XLA_FLAGS
 
+    recipe = load_recipe(RECIPE, args.overrides)
+    counts = count_params(recipe)
+    routed = counts.components.get("routed experts", 0)
     ours: list[float] = []
+    their_params: float | None = None
     theirs: dict[str, list[float]] = {"": []}
     if args.maxtext_same_flags:
         theirs[" ".join(CPU_DEFAULT_XLA_FLAGS)] = []
@@ -145,17 +169,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"round {r + 1}: marinctl done in {time.perf_counter() - t:.0f} s", file=sys.stderr)
         for flags, tokens in theirs.items():
             t = time.perf_counter()
-            tokens += run_maxtext(args.maxtext_venv, args.steps, args.warmup, flags)
+            measured, their_params = run_maxtext(
+                args.maxtext_venv, args.steps, args.warmup, flags, args.maxtext_decoder_block
+            )
+            tokens += measured
             print(f"round {r + 1}: MaxText {flags or '(its defaults)'} done in {time.perf_counter() - t:.0f} s",
                   file=sys.stderr)  # fmt: skip
+            if args.maxtext_decoder_block == MOE_BLOCK and (their_params or 0) * 1e9 < 0.5 * routed:
+                raise SystemExit(
+                    f"MaxText logged {their_params} billion parameters: fewer than marinctl's {routed:,} routed-expert "
+                    f"parameters alone, so it did not build the MoE (decoder_block={args.maxtext_decoder_block})"
+                )
 
     a = statistics.median(ours)
     print(f"shapes: {json.dumps(SHAPES)}; marinctl transport {args.transport}; medians over steps >= {args.warmup}")
+    print(
+        f"parameters: marinctl {counts.total:,} ({routed:,} in routed experts); MaxText {their_params} billion "
+        f"(decoder_block={args.maxtext_decoder_block}, as it logs them)"
+    )
     print(f"marinctl  {a:10,.0f} tokens/s  ({len(ours)} steps; hyperball optimizer, {args.transport} dropless)")
     for flags, tokens in theirs.items():
         b = statistics.median(tokens)
         how = f"XLA_FLAGS={flags}" if flags else "its default XLA flags"
-        print(f"MaxText   {b:10,.0f} tokens/s  ({len(tokens)} steps; AdamW, ragged_dot dropless; {how})")
+        model = "ragged_dot dropless MoE" if args.maxtext_decoder_block == MOE_BLOCK else "dense MLP, no experts"
+        print(f"MaxText   {b:10,.0f} tokens/s  ({len(tokens)} steps; AdamW, {model}; {how})")
         print(f"ratio     {a / b:10.2f}x  (marinctl / MaxText)")
     return 0
 
