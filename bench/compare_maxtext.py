@@ -9,10 +9,10 @@ Both train for real, one after the other on the same machine, each with every co
   through `jax.lax.ragged_dot` (`sparse_matmul=True megablox=False capacity_factor=-1`), dot-product attention,
   `decoder_block=mixtral`: MaxText's default block (`llama2`) ignores `num_experts` and builds one dense MLP of
   width `base_mlp_dim` per layer (0.001 billion parameters at these shapes against the MoE's 0.007), which is
-  what ../shared/bench/maxtext_cpu.sh trained until stop 37. `--maxtext-decoder-block llama2` runs that dense
-  model again, for reference. The parameter count MaxText logs is printed beside marinctl's, and a count short
-  of the routed experts' stops the script. Its per-step log lines ("completed step: N, seconds: ...") give the
-  step times.
+  what ../shared/bench/maxtext_cpu.sh trains (it sets no `decoder_block`) and this script trained until stop 37.
+  `--maxtext-decoder-block llama2` runs that dense model again, for reference. The parameter count MaxText logs
+  is printed beside marinctl's, and a count short of the routed experts' stops the script. Its per-step log
+  lines ("completed step: N, seconds: ...") give the step times.
 * **marinctl** runs `marinctl train bench/maxtext_shapes.toml` (built-in corpus, the hyperball optimizer, dropless
   `moe.transport`): the trainer's own `tokens_per_s` from `metrics.jsonl`.
 
@@ -59,7 +59,8 @@ PARAMS_LINE = re.compile(r"number parameters: ([\d.]+) billion")
 
 
 def maxtext_command(venv: Path, out_dir: str, steps: int, decoder_block: str = MOE_BLOCK) -> list[str]:
-    """The invocation of /work/shared/bench/maxtext_cpu.sh (dropless ragged_dot MoE, f32, synthetic data)."""
+    """The invocation of ../shared/bench/maxtext_cpu.sh (dropless ragged_dot MoE, f32, synthetic data) plus the
+    `decoder_block` that script leaves out, without which MaxText builds no experts."""
     cfg = venv / "lib" / "python3.12" / "site-packages" / "maxtext" / "configs" / "decoupled_base_test.yml"
     if not cfg.is_file():
         found = sorted(venv.glob("lib/python3*/site-packages/maxtext/configs/decoupled_base_test.yml"))

@@ -138,12 +138,11 @@ def full_attention(
     qg = _grouped_queries(q, kv).reshape(B * kv, H // kv, S, Dh)
     kh, vh = (jnp.swapaxes(t, 1, 2).reshape(B * kv, S, Dh) for t in (k, v))
     bounds = causal_bounds(S, blocks)
-    n = len(bounds) - 1
     outs = [
         _grouped_rows(qg[:, :, lo:hi], kh[:, :hi], vh[:, :hi], mask[:, :, lo:hi, :hi])
         for lo, hi in itertools.pairwise(bounds)
     ]
-    y = jnp.concatenate(outs, axis=2) if n > 1 else outs[0]
+    y = jnp.concatenate(outs, axis=2) if len(outs) > 1 else outs[0]
     return _ungroup(y.reshape(B, kv, H // kv, S, Dh), S)
 
 
