@@ -92,16 +92,16 @@ def maxtext_command(venv: Path, out_dir: str, steps: int, decoder_block: str = M
 
 
 def run_maxtext(
-    venv: Path, steps: int, warmup: int, xla_flags: str = "", decoder_block: str = MOE_BLOCK
+    venv: Path, steps: int, warmup: int, runtime: dict[str, str] | None = None, decoder_block: str = MOE_BLOCK
 ) -> tuple[list[float], float | None]:
-    """(tokens/s of each MaxText step >= warmup, the parameters MaxText logs in billions), under `xla_flags`
-    (default none: MaxText's own XLA defaults)."""
+    """(tokens/s of each MaxText step >= warmup, the parameters MaxText logs in billions), with `runtime`'s
+    environment variables (default none: MaxText's own XLA and malloc defaults)."""
     with tempfile.TemporaryDirectory(prefix="maxtext-") as out:
         env = {**os.environ, "DECOUPLE_GCLOUD": "TRUE", "JAX_PLATFORMS": "cpu"}
         env.pop("PYTHONPATH", None)  # marinctl's path must not leak into MaxText's interpreter
         env.pop("XLA_FLAGS", None)
-        if xla_flags:
-            env["XLA_FLAGS"] = xla_flags
+        env.pop("GLIBC_TUNABLES", None)
+        env.update(runtime or {})
         cmd = maxtext_command(venv, out, steps, decoder_block)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     log = proc.stdout + proc.stderr
@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--maxtext-same-flags",
         action="store_true",
-        help="also run MaxText under marinctl's CPU default XLA flags (marinctl/runtime.py) and report both",
+        help="also run MaxText under marinctl's CPU defaults (marinctl/runtime.py: XLA flags, and the retained "
+        "host heap as GLIBC_TUNABLES) and report both",
     )
     parser.add_argument(
         "--maxtext-decoder-block",
@@ -165,27 +166,31 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
     from marinctl.counting import count_params
     from marinctl.recipe import load_recipe
-    from marinctl.runtime import CPU_DEFAULT_XLA_FLAGS
+    from marinctl.runtime import CPU_DEFAULT_XLA_FLAGS, RETAIN_HEAP_TUNABLES
 
     recipe = load_recipe(RECIPE, args.overrides)
     counts = count_params(recipe)
     routed = counts.components.get("routed experts", 0)
     ours: list[float] = []
     their_params: float | None = None
-    theirs: dict[str, list[float]] = {"": []}
+    runtimes = {"": {}}  # how -> the environment MaxText runs with
     if args.maxtext_same_flags:
-        theirs[" ".join(CPU_DEFAULT_XLA_FLAGS)] = []
+        runtimes["marinctl's runtime"] = {
+            "XLA_FLAGS": " ".join(CPU_DEFAULT_XLA_FLAGS),
+            "GLIBC_TUNABLES": RETAIN_HEAP_TUNABLES,
+        }
+    theirs: dict[str, list[float]] = {how: [] for how in runtimes}
     for r in range(args.rounds):
         t = time.perf_counter()
         ours += run_marinctl(args.steps, args.warmup, args.transport, args.data_root, args.overrides)
         print(f"round {r + 1}: marinctl done in {time.perf_counter() - t:.0f} s", file=sys.stderr)
-        for flags, tokens in theirs.items():
+        for how, tokens in theirs.items():
             t = time.perf_counter()
             measured, their_params = run_maxtext(
-                args.maxtext_venv, args.steps, args.warmup, flags, args.maxtext_decoder_block
+                args.maxtext_venv, args.steps, args.warmup, runtimes[how], args.maxtext_decoder_block
             )
             tokens += measured
-            print(f"round {r + 1}: MaxText {flags or '(its defaults)'} done in {time.perf_counter() - t:.0f} s",
+            print(f"round {r + 1}: MaxText {how or '(its defaults)'} done in {time.perf_counter() - t:.0f} s",
                   file=sys.stderr)  # fmt: skip
             if args.maxtext_decoder_block == MOE_BLOCK:
                 check_builds_experts(their_params, routed)
@@ -197,9 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         f"(decoder_block={args.maxtext_decoder_block}, as it logs them)"
     )
     print(f"marinctl  {a:10,.0f} tokens/s  ({len(ours)} steps; hyperball optimizer, {args.transport} dropless)")
-    for flags, tokens in theirs.items():
+    for how, tokens in theirs.items():
         b = statistics.median(tokens)
-        how = f"XLA_FLAGS={flags}" if flags else "its default XLA flags"
+        how = " ".join(f"{k}={v}" for k, v in runtimes[how].items()) or "its default XLA flags and malloc"
         model = "ragged_dot dropless MoE" if args.maxtext_decoder_block == MOE_BLOCK else "dense MLP, no experts"
         print(f"MaxText   {b:10,.0f} tokens/s  ({len(tokens)} steps; AdamW, {model}; {how})")
         print(f"ratio     {a / b:10.2f}x  (marinctl / MaxText)")
