@@ -146,4 +146,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from marinctl.runtime import exec_with_host_heap
+
+    exec_with_host_heap()  # huge-page malloc, as the `marinctl` command runs
     main()

@@ -242,4 +242,7 @@ def run(args, mesh_shape) -> dict:
 
 
 if __name__ == "__main__":
+    from marinctl.runtime import exec_with_host_heap
+
+    exec_with_host_heap()  # huge-page malloc, as the `marinctl` command runs
     sys.exit(0 if main() else 1)

@@ -151,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--maxtext-same-flags",
         action="store_true",
-        help="also run MaxText under marinctl's CPU defaults (marinctl/runtime.py: XLA flags, and the retained "
-        "host heap as GLIBC_TUNABLES) and report both",
+        help="also run MaxText under marinctl's CPU defaults (marinctl/runtime.py: XLA flags, and "
+        "huge-page malloc as GLIBC_TUNABLES) and report both",
     )
     parser.add_argument(
         "--maxtext-decoder-block",
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
     from marinctl.counting import count_params
     from marinctl.recipe import load_recipe
-    from marinctl.runtime import CPU_DEFAULT_XLA_FLAGS, RETAIN_HEAP_TUNABLES
+    from marinctl.runtime import CPU_DEFAULT_XLA_FLAGS, HOST_HEAP_TUNABLE
 
     recipe = load_recipe(RECIPE, args.overrides)
     counts = count_params(recipe)
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.maxtext_same_flags:
         runtimes["marinctl's runtime"] = {
             "XLA_FLAGS": " ".join(CPU_DEFAULT_XLA_FLAGS),
-            "GLIBC_TUNABLES": RETAIN_HEAP_TUNABLES,
+            "GLIBC_TUNABLES": HOST_HEAP_TUNABLE,
         }
     theirs: dict[str, list[float]] = {how: [] for how in runtimes}
     for r in range(args.rounds):

@@ -382,5 +382,11 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    try:  # huge-page malloc, as the `marinctl` command runs (a tree from before stop 38 has none)
+        from marinctl.runtime import exec_with_host_heap
+    except ImportError:
+        pass
+    else:
+        exec_with_host_heap()
     main()
     sys.exit(0)

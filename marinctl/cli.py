@@ -89,6 +89,9 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def main() -> None:
+    from marinctl.runtime import exec_with_host_heap
+
+    exec_with_host_heap()  # before anything runs: glibc reads its malloc tunables only at process start
     sys.exit(run())
 
 

@@ -243,9 +243,6 @@ class RuntimeConfig:
     env: dict[str, str] = _f({}, doc="environment variables set before JAX starts")
     xla_flags: tuple[str, ...] = _f((), doc="appended to XLA_FLAGS before JAX starts")
     precompile: bool = _f(True, doc="compile the schedule's later train and eval steps on a background thread")
-    host_heap: Literal["retain", "system"] = _f(
-        "retain", doc="retain: freed host memory stays in the process (no per-step page faults); system: libc's"
-    )
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,12 @@ script, so every host of every run gets the same ones.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
+import re
 import sys
+from collections.abc import Mapping
+from pathlib import Path
 
 from marinctl.recipe import RuntimeConfig
 
@@ -35,45 +37,56 @@ YNN_DOTS_OFF = "--xla_cpu_experimental_ynn_fusion_type=-dot,-individual_dot"
 CPU_DEFAULT_XLA_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false", YNN_DOTS_OFF)
 
 
-# [speed, stop 38] glibc's malloc gave XLA:CPU's step buffers back to the kernel after every step. Blocks
-# past the mmap threshold are unmapped on free, the worker threads' arenas shrink their heaps, and the main
-# heap is trimmed. Each step then page-faulted and zeroed its whole working set again: the tiny step took
-# ~140,000 minor faults (~550 MB) and ~250 ms of kernel time per step, a third of its wall time
-# (bench/README.md). `host_heap = "retain"` keeps freed memory in the process: no mmap for large blocks, no
-# trimming, and one arena. XLA's worker threads then reuse the main heap instead of growing and shrinking
-# arenas of their own. A thread picks its arena at its first allocation, so this must run before the
-# backend starts its thread pools. The cost is RSS that stays at its peak, which a training process
-# reaches every step anyway.
-M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # glibc's <malloc.h>
-# (mallopt parameter, value, the same setting as a glibc tunable for a process marinctl only launches)
-_HEAP_SETTINGS = (
-    (M_MMAP_MAX, 0, "glibc.malloc.mmap_max"),
-    (M_TRIM_THRESHOLD, 2**31 - 1, "glibc.malloc.trim_threshold"),
-    (M_ARENA_MAX, 1, "glibc.malloc.arena_max"),
-)
-RETAIN_HEAP_TUNABLES = ":".join(f"{name}={value}" for _, value, name in _HEAP_SETTINGS)  # for GLIBC_TUNABLES
-_heap_retained = False
+# [speed, stop 38] Transparent huge pages for the host heap. glibc's malloc serves XLA:CPU's large step
+# buffers with fresh mmaps and unmaps them on free, so every step page-faulted its whole working set in
+# again, 4 KiB at a time: the tiny step took ~140,000 minor faults (~550 MB) and ~250 ms of kernel time
+# per step on this project's 2-core VMs, a third of the step. With `glibc.malloc.hugetlb=1` malloc
+# madvises its memory for transparent huge pages: 2 MiB faults, ~30x fewer (bench/README.md). glibc reads
+# tunables only at process start, so the `marinctl` command re-executes itself once with the tunable set
+# (`exec_with_host_heap`); MARINCTL_HOST_HEAP=system opts out. Keeping freed memory in the process instead
+# (mallopt: no mmap, no trim, one arena) removed the faults in a bare step loop but serialized the
+# trainer's threads on the one arena's lock: the README demo took 175 s against 129 s with the defaults.
+HOST_HEAP_TUNABLE = "glibc.malloc.hugetlb=1"  # glibc >= 2.35; older ones ignore an unknown tunable
+HOST_HEAP_OPT_OUT = "MARINCTL_HOST_HEAP"
 
 
-def retain_host_heap() -> bool:
-    """Keep freed host memory in this process (glibc only). Returns whether the settings took."""
-    global _heap_retained
-    if _heap_retained:
-        return True
+def host_heap_environ(environ: Mapping[str, str]) -> dict[str, str] | None:
+    """The environment to re-execute with for huge-page malloc, or None when there is nothing to gain:
+    already set, opted out, not glibc >= 2.35, or transparent huge pages off in this kernel."""
+    tunables = environ.get("GLIBC_TUNABLES", "")
+    if environ.get(HOST_HEAP_OPT_OUT, "") == "system" or "glibc.malloc.hugetlb=" in tunables:
+        return None
     libc = os.confstr("CS_GNU_LIBC_VERSION") if "CS_GNU_LIBC_VERSION" in os.confstr_names else None
-    if not libc or not libc.startswith("glibc"):
-        return False
-    mallopt = ctypes.CDLL(None).mallopt
-    _heap_retained = all(mallopt(param, value) == 1 for param, value, _ in _HEAP_SETTINGS)
-    return _heap_retained
+    match = re.fullmatch(r"glibc (\d+)\.(\d+).*", libc or "")
+    if match is None or (int(match[1]), int(match[2])) < (2, 35):
+        return None
+    try:
+        thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    if "[never]" in thp:
+        return None
+    return {**environ, "GLIBC_TUNABLES": ":".join(filter(None, [tunables, HOST_HEAP_TUNABLE]))}
+
+
+def exec_with_host_heap() -> None:
+    """Re-execute this process's command line with huge-page malloc, once, before anything runs.
+
+    Only entry points call this (`marinctl`, the bench scripts): the command line is replayed from
+    `sys.orig_argv`, so the process keeps its PID, its signals and its arguments."""
+    environ = host_heap_environ(os.environ)
+    if environ is None:
+        return
+    try:
+        os.execve(sys.executable, sys.orig_argv, environ)
+    except OSError as err:  # the process goes on with libc's defaults
+        log.debug("could not re-execute with %s: %s", HOST_HEAP_TUNABLE, err)
 
 
 def apply_runtime(runtime: RuntimeConfig) -> None:
     backend_started = "jax" in sys.modules and _backend_initialized()
     if backend_started and (runtime.env or runtime.xla_flags):
         log.warning("JAX already started: [runtime] settings apply to new processes only")
-    if runtime.host_heap == "retain" and not backend_started and not retain_host_heap():
-        log.debug("host_heap = retain: not a glibc process, malloc left as it is")
     for key, value in runtime.env.items():
         os.environ.setdefault(key, value)  # an explicit environment wins over the recipe
     flags = [*runtime.xla_flags, *CPU_DEFAULT_XLA_FLAGS]  # the recipe's first: it wins over the CPU defaults

@@ -21,11 +21,13 @@ from pathlib import Path
 import pytest
 
 from marinctl.recipe import RuntimeConfig
-from marinctl.runtime import apply_runtime
+from marinctl.runtime import apply_runtime, host_heap_environ
 
 # The CPU defaults `marinctl` applies, merged by the same rule, for in-process runs too, so in-process results
 # equal a `marinctl` subprocess's (none of the imports above starts JAX).
 apply_runtime(RuntimeConfig())
+# `marinctl` subprocesses start with the huge-page malloc they would re-execute themselves for.
+os.environ.update(host_heap_environ(os.environ) or {})
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
