@@ -78,7 +78,7 @@ def exec_with_host_heap() -> None:
     if environ is None:
         return
     try:
-        os.execve(sys.executable, sys.orig_argv, environ)
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environ)
     except OSError as err:  # the process goes on with libc's defaults
         log.debug("could not re-execute with %s: %s", HOST_HEAP_TUNABLE, err)
 
