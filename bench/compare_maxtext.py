@@ -173,24 +173,24 @@ def main(argv: list[str] | None = None) -> int:
     routed = counts.components.get("routed experts", 0)
     ours: list[float] = []
     their_params: float | None = None
-    runtimes = {"": {}}  # how -> the environment MaxText runs with
+    runtimes: dict[str, dict[str, str]] = {"": {}}  # name -> the environment MaxText runs with
     if args.maxtext_same_flags:
         runtimes["marinctl's runtime"] = {
             "XLA_FLAGS": " ".join(CPU_DEFAULT_XLA_FLAGS),
             "GLIBC_TUNABLES": HOST_HEAP_TUNABLE,
         }
-    theirs: dict[str, list[float]] = {how: [] for how in runtimes}
+    theirs: dict[str, list[float]] = {name: [] for name in runtimes}
     for r in range(args.rounds):
         t = time.perf_counter()
         ours += run_marinctl(args.steps, args.warmup, args.transport, args.data_root, args.overrides)
         print(f"round {r + 1}: marinctl done in {time.perf_counter() - t:.0f} s", file=sys.stderr)
-        for how, tokens in theirs.items():
+        for name, tokens in theirs.items():
             t = time.perf_counter()
             measured, their_params = run_maxtext(
-                args.maxtext_venv, args.steps, args.warmup, runtimes[how], args.maxtext_decoder_block
+                args.maxtext_venv, args.steps, args.warmup, runtimes[name], args.maxtext_decoder_block
             )
             tokens += measured
-            print(f"round {r + 1}: MaxText {how or '(its defaults)'} done in {time.perf_counter() - t:.0f} s",
+            print(f"round {r + 1}: MaxText {name or '(its defaults)'} done in {time.perf_counter() - t:.0f} s",
                   file=sys.stderr)  # fmt: skip
             if args.maxtext_decoder_block == MOE_BLOCK:
                 check_builds_experts(their_params, routed)
@@ -202,9 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         f"(decoder_block={args.maxtext_decoder_block}, as it logs them)"
     )
     print(f"marinctl  {a:10,.0f} tokens/s  ({len(ours)} steps; hyperball optimizer, {args.transport} dropless)")
-    for how, tokens in theirs.items():
+    for name, tokens in theirs.items():
         b = statistics.median(tokens)
-        how = " ".join(f"{k}={v}" for k, v in runtimes[how].items()) or "its default XLA flags and malloc"
+        how = " ".join(f"{k}={v}" for k, v in runtimes[name].items()) or "its default XLA flags and malloc"
         model = "ragged_dot dropless MoE" if args.maxtext_decoder_block == MOE_BLOCK else "dense MLP, no experts"
         print(f"MaxText   {b:10,.0f} tokens/s  ({len(tokens)} steps; AdamW, {model}; {how})")
         print(f"ratio     {a / b:10.2f}x  (marinctl / MaxText)")

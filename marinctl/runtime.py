@@ -46,7 +46,7 @@ CPU_DEFAULT_XLA_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false
 # (`exec_with_host_heap`); MARINCTL_HOST_HEAP=system opts out. Keeping freed memory in the process instead
 # (mallopt: no mmap, no trim, one arena) removed the faults in a bare step loop but serialized the
 # trainer's threads on the one arena's lock: the README demo took 175 s against 129 s with the defaults.
-HOST_HEAP_TUNABLE = "glibc.malloc.hugetlb=1"  # glibc >= 2.35; older ones ignore an unknown tunable
+HOST_HEAP_TUNABLE = "glibc.malloc.hugetlb=1"  # since glibc 2.35
 HOST_HEAP_OPT_OUT = "MARINCTL_HOST_HEAP"
 
 
