@@ -312,7 +312,6 @@ def memory_estimate(recipe: Recipe, mesh: dict[str, int], platform: Platform = "
     width = moe.latent_width if moe.latent else D
     r = m.gated_norm_rank if m.gated_norm else 0
     n_sh, I_sh = moe.shared_experts, moe.shared_width
-    n_global = sum(recipe.layer_is_global())
 
     # --- one block's activations (per device), the set its backward reads --------------------------
     normalize = D * (f4 + act) + (r * act + D * f4 if m.gated_norm else 0)  # x̂ fp32, gate, cast
@@ -331,12 +330,15 @@ def memory_estimate(recipe: Recipe, mesh: dict[str, int], platform: Platform = "
         # both branches' residuals, so both shapes stay allocated through the block's backward (the
         # compiled steps' peaks show them).
         per_score = 2 * f4 + act + 1
-        scores = global_scores(S) if n_global else 0
-        if n_global < L:
-            scores += local_scores(S, a.window)
-        attn_b += rows * H * scores * per_score
+        kinds = recipe.layer_is_global()
+        kind_scores = {g: rows * H * (global_scores(S) if g else local_scores(S, a.window)) * per_score for g in kinds}
+        layer_scores = [kind_scores[g] for g in kinds]
+        # Without remat each layer runs its own kind (no `lax.cond`): the block at the peak holds the larger.
+        attn_scores = max(layer_scores) if m.remat == "none" else sum(kind_scores.values())
     else:  # flash attention keeps the log-sum-exp per query and head; the rest is tiled on chip
-        attn_b += T * H * f4
+        layer_scores = [T * H * f4] * L
+        attn_scores = T * H * f4
+    attn_b += attn_scores
     cap = capacity(recipe, T, mesh.get("expert", 1))
     latent_rows, expert_rows = transport_rows(recipe, cap)
     router_b = T * moe.num_experts * f4 * 3  # logits, margins, sigmoid scores
@@ -372,8 +374,8 @@ def memory_estimate(recipe: Recipe, mesh: dict[str, int], platform: Platform = "
     elif m.remat == "save_dots":  # matmul outputs; the elementwise rest is recomputed
         dots = (H + 2 * kv) * Dh + 2 * D + width * 2 + n_sh * I_sh * 2
         saved = L * (T * dots * act + latent_rows * width * act + expert_rows * moe.expert_width * act * 2)
-    else:
-        saved = L * (norms_b + attn_b + mlp_b)
+    else:  # every layer's own working set, its attention scores by its kind
+        saved = L * (norms_b + attn_b - attn_scores + mlp_b) + sum(layer_scores)
 
     # --- the loss: fp32 logits and their gradient for one chunk, the final hidden states ------------
     # `model.ce_chunk_tokens` per device: chunks of whole positions over this device's rows
