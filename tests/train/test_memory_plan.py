@@ -103,14 +103,14 @@ def test_without_remat_the_planner_stays_above_xla_and_counts_each_layers_own_sc
     bounded amount. Each layer keeps the scores of its own kind, not the local band and the global square
     both, as a `lax.cond` under remat would; charging both read +40.8% here."""
     tiny = REPO / "recipes" / "tiny.toml"
+    recipe = load_recipe(tiny)
     assert run(["train", str(tiny), "--dry-run", "--compile", "--devices", "1", "--json"]) == 0
     compiled = json.loads(capsys.readouterr().out)["compiled"]
     xla, plan = compiled["xla_bytes"], compiled["planner_bytes"]
-    assert plan["platform"] == "cpu" and load_recipe(tiny).model.remat == "none"
+    assert plan["platform"] == "cpu" and recipe.model.remat == "none"
     assert 0 < plan["total"] / xla["peak"] - 1 < 0.35, (plan["total"], xla)
     # Saved activations, layer by layer: the pattern ends on its global layer ((T), (F, T), (F, F, T), ...), so
     # one layer alone is a global one, and each layer added in front is a local one.
-    recipe = load_recipe(tiny)
     one = {"replica": 1, "data": 1, "expert": 1}
     saved = {
         n: memory_estimate(replace(recipe, model=replace(recipe.model, num_layers=n)), one, "cpu").parts["remat saves"]
