@@ -100,7 +100,8 @@ def run_maxtext(
         env = {**os.environ, "DECOUPLE_GCLOUD": "TRUE", "JAX_PLATFORMS": "cpu"}
         env.pop("PYTHONPATH", None)  # marinctl's path must not leak into MaxText's interpreter
         env.pop("XLA_FLAGS", None)
-        env.pop("GLIBC_TUNABLES", None)
+        for heap in ("GLIBC_TUNABLES", "LD_PRELOAD", "MIMALLOC_PURGE_DELAY"):  # MaxText's own malloc unless given
+            env.pop(heap, None)
         env.update(runtime or {})
         cmd = maxtext_command(venv, out, steps, decoder_block)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         "--maxtext-same-flags",
         action="store_true",
         help="also run MaxText under marinctl's CPU defaults (marinctl/runtime.py: XLA flags, and "
-        "huge-page malloc as GLIBC_TUNABLES) and report both",
+        "its host heap: huge-page malloc, or mimalloc under MARINCTL_HOST_HEAP=mimalloc) and report both",
     )
     parser.add_argument(
         "--maxtext-decoder-block",
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
     from marinctl.counting import count_params
     from marinctl.recipe import load_recipe
-    from marinctl.runtime import CPU_DEFAULT_XLA_FLAGS, HOST_HEAP_TUNABLE
+    from marinctl.runtime import CPU_DEFAULT_XLA_FLAGS, HOST_HEAP_OPT_OUT, host_heap_environ
 
     recipe = load_recipe(RECIPE, args.overrides)
     counts = count_params(recipe)
@@ -175,10 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     their_params: float | None = None
     runtimes: dict[str, dict[str, str]] = {"": {}}  # name -> the environment MaxText runs with
     if args.maxtext_same_flags:
-        runtimes["marinctl's runtime"] = {
-            "XLA_FLAGS": " ".join(CPU_DEFAULT_XLA_FLAGS),
-            "GLIBC_TUNABLES": HOST_HEAP_TUNABLE,
-        }
+        # The host heap marinctl re-executes itself with (MARINCTL_HOST_HEAP, default huge-page glibc).
+        heap = host_heap_environ({HOST_HEAP_OPT_OUT: os.environ.get(HOST_HEAP_OPT_OUT, "")}) or {}
+        heap.pop(HOST_HEAP_OPT_OUT, None)
+        runtimes["marinctl's runtime"] = {"XLA_FLAGS": " ".join(CPU_DEFAULT_XLA_FLAGS), **heap}
     theirs: dict[str, list[float]] = {name: [] for name in runtimes}
     for r in range(args.rounds):
         t = time.perf_counter()

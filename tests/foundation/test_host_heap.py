@@ -1,7 +1,8 @@
-"""Huge-page malloc (stop 38): with glibc's defaults every XLA:CPU step page-faulted its buffers in again,
+"""The host heap (stops 38, 40): with glibc's defaults every XLA:CPU step page-faulted its buffers in again,
 4 KiB at a time (the tiny step: ~140,000 minor faults, ~250 ms of kernel time per step). The `marinctl`
-command re-executes itself once with `glibc.malloc.hugetlb=1`. Each case runs in a fresh interpreter,
-because glibc reads its tunables only at process start."""
+command re-executes itself once with `glibc.malloc.hugetlb=1`, or with mimalloc preloaded and told to keep
+freed pages (`MARINCTL_HOST_HEAP=mimalloc`). Each case runs in a fresh interpreter, because glibc reads its
+tunables, and the dynamic loader LD_PRELOAD, only at process start."""
 
 import os
 import subprocess
@@ -9,7 +10,8 @@ import sys
 
 import pytest
 
-from marinctl.runtime import HOST_HEAP_OPT_OUT, HOST_HEAP_TUNABLE, host_heap_environ
+from marinctl.errors import UserError
+from marinctl.runtime import HOST_HEAP_OPT_OUT, HOST_HEAP_TUNABLE, host_heap_environ, mimalloc_library
 
 PROBE = """
 import resource
@@ -26,12 +28,16 @@ print(*faults[4:])
 
 
 def clean_environ() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", HOST_HEAP_OPT_OUT)}
+    drop = ("GLIBC_TUNABLES", "LD_PRELOAD", "MIMALLOC_PURGE_DELAY", HOST_HEAP_OPT_OUT)
+    return {k: v for k, v in os.environ.items() if k not in drop}
 
 
 huge_pages = pytest.mark.skipif(
     host_heap_environ(clean_environ()) is None, reason="needs glibc >= 2.35 and transparent huge pages"
 )
+
+
+with_mimalloc = pytest.mark.skipif(mimalloc_library() is None, reason="needs the cmeel-mimalloc wheel (Linux x86-64)")
 
 
 def median_faults(environ: dict[str, str]) -> int:
@@ -48,6 +54,15 @@ def test_huge_page_malloc_faults_a_fresh_step_buffer_in_far_fewer_times():
     huge = median_faults(host_heap_environ(clean_environ()))
     assert default >= pages // 2, default  # each call maps its 64 MB output anew and touches every 4 KiB page
     assert huge <= default // 4, (huge, default)  # 2 MiB pages: ~30x fewer on this project's machines
+
+
+@with_mimalloc
+def test_mimalloc_that_keeps_its_pages_faults_a_step_buffer_in_only_once():
+    pages = 4096 * 4096 * 4 // os.sysconf("SC_PAGE_SIZE")
+    mimalloc = median_faults(host_heap_environ({**clean_environ(), HOST_HEAP_OPT_OUT: "mimalloc"}))
+    default = median_faults(clean_environ())
+    assert default >= pages // 2, default  # glibc maps each call's 64 MB output anew
+    assert mimalloc <= pages // 100, (mimalloc, default)  # mimalloc reuses the last call's pages: ~no faults
 
 
 ENTRY = """
@@ -80,3 +95,27 @@ def test_the_marinctl_command_re_executes_itself_once_with_huge_page_malloc():
 def test_the_environment_is_left_alone_where_it_already_says():
     assert host_heap_environ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) is None  # the user's choice wins
     assert host_heap_environ({HOST_HEAP_OPT_OUT: "system"}) is None
+
+
+@with_mimalloc
+def test_the_marinctl_command_preloads_mimalloc_once_when_asked():
+    environ = {**clean_environ(), HOST_HEAP_OPT_OUT: "mimalloc"}
+    entry = ENTRY.replace('os.environ.get("GLIBC_TUNABLES", "")', 'os.environ.get("LD_PRELOAD", "")')
+    done = subprocess.run([sys.executable, "-c", entry], env=environ, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    starts = [line.split(" ", 1) for line in done.stdout.splitlines() if not line.startswith("marinctl")]
+    assert [preload for _, preload in starts] == ["", str(mimalloc_library())]
+    assert starts[0][0] == starts[1][0]
+    assert host_heap_environ(environ)["MIMALLOC_PURGE_DELAY"] == "-1"
+    assert host_heap_environ({**environ, "MIMALLOC_PURGE_DELAY": "100"})["MIMALLOC_PURGE_DELAY"] == "100"  # user's
+
+
+def test_an_unknown_host_heap_is_one_line_and_exit_2():
+    with pytest.raises(UserError, match="MARINCTL_HOST_HEAP='jemalloc'"):
+        host_heap_environ({HOST_HEAP_OPT_OUT: "jemalloc"})
+    environ = {**clean_environ(), HOST_HEAP_OPT_OUT: "jemalloc"}
+    done = subprocess.run([sys.executable, "-c", ENTRY], env=environ, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "marinctl: MARINCTL_HOST_HEAP='jemalloc': expected one of hugepages, mimalloc, system"
+    ]
