@@ -52,13 +52,13 @@ HOST_HEAP_TUNABLE = "glibc.malloc.hugetlb=1"  # since glibc 2.35
 HOST_HEAP_OPT_OUT = "MARINCTL_HOST_HEAP"
 HOST_HEAPS = ("hugepages", "mimalloc", "system")  # MARINCTL_HOST_HEAP's values; unset means hugepages
 
-# [speed, stop 40] MARINCTL_HOST_HEAP=mimalloc: Microsoft's mimalloc (the `cmeel-mimalloc` wheel) preloaded and told
-# never to hand freed pages back (`MIMALLOC_PURGE_DELAY=-1`), so a step reuses the last step's pages and nothing
-# is faulted in or zeroed again. On the tiny step (2-core VM): kernel time 10.3% of the CPU under huge-page
-# glibc against 1.6% (perf), the step loop 1.10x faster (five alternated pairs), the README demo ~10% more
-# tokens/s. Opt-in, because the process then keeps the high-water mark of every program it ran: the demo's
-# peak RSS was 2.8-3.9 GB against 1.6 GB (bench/README.md, stop 40). mimalloc's own default purging still
-# faulted ~2,000 pages per step in (14% of the CPU in the kernel).
+# [speed, stop 40] MARINCTL_HOST_HEAP=mimalloc: Microsoft's mimalloc (the `cmeel-mimalloc` wheel) preloaded and
+# told never to hand freed pages back (`MIMALLOC_PURGE_DELAY=-1`), so a step reuses the last step's pages and
+# nothing is faulted in or zeroed again. On the tiny step (2-core VM): kernel time 10.3% of the CPU under
+# huge-page glibc against 1.6% (perf), the step 1.11x faster (bench/ab_heap.py, five alternated rounds), the
+# README demo ~10% more tokens/s. Opt-in, because the process then keeps the high-water mark of every program
+# it ran: the demo's peak RSS was 2.8-5.9 GB against 1.6-2.5 GB (bench/README.md, stop 40). mimalloc's own
+# default purging still faulted ~2,000 pages per step in (14% of the CPU in the kernel).
 MIMALLOC_PACKAGE = "cmeel-mimalloc"
 MIMALLOC_ENV = {"MIMALLOC_PURGE_DELAY": "-1"}
 
