@@ -37,19 +37,12 @@ def child(recipe_path: str, overrides: list[str], steps: int) -> dict[str, float
     apply_runtime(recipe.runtime)
 
     import jax
+    from ab_step import build  # bench/ is this script's directory
 
-    from marinctl.data.builtin import ensure_builtin_corpus
-    from marinctl.data.loader import Loader
-    from marinctl.routing.mesh import batch_sharding, make_mesh
-    from marinctl.train.state import init_state, make_optimizer, state_shardings
+    from marinctl.train.state import init_state
     from marinctl.train.step import compile_train_step, device_batch
 
-    ensure_builtin_corpus(recipe)
-    loader = Loader(recipe)
-    mesh = make_mesh(recipe.parallel, jax.devices())
-    bsh = batch_sharding(mesh)
-    optimizer = make_optimizer(recipe)
-    shardings = state_shardings(recipe, optimizer, mesh)
+    loader, mesh, bsh, optimizer, shardings = build(recipe)
     n_warm = 3
     with jax.set_mesh(mesh):
         step = compile_train_step(recipe, optimizer, shardings, bsh)

@@ -47,6 +47,22 @@ def parse_variant(text: str) -> tuple[str, Options]:
     return name, options
 
 
+def build(recipe):
+    """What `marinctl train` builds before it compiles its step: the built-in corpus if the recipe reads it, the
+    loader, the mesh over every device, the batch sharding, the optimizer and the state's shardings."""
+    import jax
+
+    from marinctl.data.builtin import ensure_builtin_corpus
+    from marinctl.data.loader import Loader
+    from marinctl.routing.mesh import batch_sharding, make_mesh
+    from marinctl.train.state import make_optimizer, state_shardings
+
+    ensure_builtin_corpus(recipe)
+    mesh = make_mesh(recipe.parallel, jax.devices())
+    optimizer = make_optimizer(recipe)
+    return Loader(recipe), mesh, batch_sharding(mesh), optimizer, state_shardings(recipe, optimizer, mesh)
+
+
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("recipe", nargs="?", default=str(REPO / "recipes" / "tiny.toml"))
@@ -67,18 +83,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     import jax
     import numpy as np
 
-    from marinctl.data.builtin import ensure_builtin_corpus
-    from marinctl.data.loader import Loader
-    from marinctl.routing.mesh import batch_sharding, make_mesh
-    from marinctl.train.state import init_state, make_optimizer, state_shardings
+    from marinctl.train.state import init_state
     from marinctl.train.step import compile_train_step, device_batch
 
-    ensure_builtin_corpus(recipe)
-    loader = Loader(recipe)
-    mesh = make_mesh(recipe.parallel, jax.devices())
-    bsh = batch_sharding(mesh)
-    optimizer = make_optimizer(recipe)
-    shardings = state_shardings(recipe, optimizer, mesh)
+    loader, mesh, bsh, optimizer, shardings = build(recipe)
     rows = recipe.train.batch_size
     n_warm = 2
     with jax.set_mesh(mesh):
