@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-HEAP_ENV = ("GLIBC_TUNABLES", "LD_PRELOAD", "MIMALLOC_PURGE_DELAY")  # what a parent's heap may have set
 
 
 def child(recipe_path: str, overrides: list[str], steps: int) -> dict[str, float]:
@@ -68,7 +67,10 @@ def child(recipe_path: str, overrides: list[str], steps: int) -> dict[str, float
 
 
 def run_child(heap: str, args: argparse.Namespace) -> dict[str, float]:
-    env = {k: v for k, v in os.environ.items() if k not in HEAP_ENV}
+    sys.path.insert(0, str(REPO))
+    from marinctl.runtime import HOST_HEAP_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in HOST_HEAP_ENV}  # only MARINCTL_HOST_HEAP decides
     env["MARINCTL_HOST_HEAP"] = heap
     cmd = [sys.executable, __file__, args.recipe, "--child", "--steps", str(args.steps)]
     cmd += [f"--set={o}" for o in args.overrides]

@@ -100,7 +100,9 @@ def run_maxtext(
         env = {**os.environ, "DECOUPLE_GCLOUD": "TRUE", "JAX_PLATFORMS": "cpu"}
         env.pop("PYTHONPATH", None)  # marinctl's path must not leak into MaxText's interpreter
         env.pop("XLA_FLAGS", None)
-        for heap in ("GLIBC_TUNABLES", "LD_PRELOAD", "MIMALLOC_PURGE_DELAY"):  # MaxText's own malloc unless given
+        from marinctl.runtime import HOST_HEAP_ENV  # importable: main put the repository on the path
+
+        for heap in HOST_HEAP_ENV:  # MaxText's own malloc unless `runtime` gives one
             env.pop(heap, None)
         env.update(runtime or {})
         cmd = maxtext_command(venv, out, steps, decoder_block)

@@ -61,6 +61,8 @@ HOST_HEAPS = ("hugepages", "mimalloc", "system")  # MARINCTL_HOST_HEAP's values;
 # default purging still faulted ~2,000 pages per step in (14% of the CPU in the kernel).
 MIMALLOC_PACKAGE = "cmeel-mimalloc"
 MIMALLOC_ENV = {"MIMALLOC_PURGE_DELAY": "-1"}
+# Every variable a host heap sets: what a benchmark clears to start a process on a heap of its own choosing.
+HOST_HEAP_ENV = ("GLIBC_TUNABLES", "LD_PRELOAD", *MIMALLOC_ENV)
 
 
 def mimalloc_library() -> Path | None:

@@ -11,7 +11,13 @@ import sys
 import pytest
 
 from marinctl.errors import UserError
-from marinctl.runtime import HOST_HEAP_OPT_OUT, HOST_HEAP_TUNABLE, host_heap_environ, mimalloc_library
+from marinctl.runtime import (
+    HOST_HEAP_ENV,
+    HOST_HEAP_OPT_OUT,
+    HOST_HEAP_TUNABLE,
+    host_heap_environ,
+    mimalloc_library,
+)
 
 PROBE = """
 import resource
@@ -28,8 +34,7 @@ print(*faults[4:])
 
 
 def clean_environ() -> dict[str, str]:
-    drop = ("GLIBC_TUNABLES", "LD_PRELOAD", "MIMALLOC_PURGE_DELAY", HOST_HEAP_OPT_OUT)
-    return {k: v for k, v in os.environ.items() if k not in drop}
+    return {k: v for k, v in os.environ.items() if k not in (*HOST_HEAP_ENV, HOST_HEAP_OPT_OUT)}
 
 
 huge_pages = pytest.mark.skipif(
