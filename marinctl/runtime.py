@@ -7,11 +7,14 @@ script, so every host of every run gets the same ones.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
 import re
 import sys
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from importlib import metadata
 from pathlib import Path
 
@@ -50,15 +53,17 @@ CPU_DEFAULT_XLA_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false
 # trainer's threads on the one arena's lock: the README demo took 175 s against 129 s with the defaults.
 HOST_HEAP_TUNABLE = "glibc.malloc.hugetlb=1"  # since glibc 2.35
 HOST_HEAP_OPT_OUT = "MARINCTL_HOST_HEAP"
-HOST_HEAPS = ("hugepages", "mimalloc", "system")  # MARINCTL_HOST_HEAP's values; unset means hugepages
+HOST_HEAPS = ("mimalloc", "hugepages", "system")  # MARINCTL_HOST_HEAP's values; unset: the first available
 
-# [speed, stop 40] MARINCTL_HOST_HEAP=mimalloc: Microsoft's mimalloc (the `cmeel-mimalloc` wheel) preloaded and
-# told never to hand freed pages back (`MIMALLOC_PURGE_DELAY=-1`), so a step reuses the last step's pages and
-# nothing is faulted in or zeroed again. On the tiny step (2-core VM): kernel time 10.3% of the CPU under
-# huge-page glibc against 1.6% (perf), the step 1.11x faster (bench/ab_heap.py, five alternated rounds), the
-# README demo ~10% more tokens/s. Opt-in, because the process then keeps the high-water mark of every program
-# it ran: the demo's peak RSS was 2.8-5.9 GB against 1.6-2.5 GB (bench/README.md, stop 40). mimalloc's own
-# default purging still faulted ~2,000 pages per step in (14% of the CPU in the kernel).
+# [speed, stops 40-41] The default host heap where its wheel installs (Linux x86-64): Microsoft's mimalloc (the
+# `cmeel-mimalloc` wheel) preloaded and told not to hand freed pages back (`MIMALLOC_PURGE_DELAY=-1`), so a
+# step reuses the last step's pages and nothing is faulted in or zeroed again. On the tiny step (2-core VM):
+# kernel time 10.3% of the CPU under huge-page glibc against 1.6% (perf), the step 1.11x faster
+# (bench/ab_heap.py, five alternated rounds). mimalloc's own default purging still faulted ~2,000 pages per
+# step in (14% of the CPU in the kernel). A heap that never purges keeps the high-water mark of everything
+# the process ran: the demo's peak RSS reached 5.9 GB against 2.4 GB (stop 40), so the trainer hands pages
+# back around the work that is not the step loop (`host_pages_released`: compiles, evals, checkpoints,
+# schedule changes) and keeps them only while steps run (bench/README.md, stop 41).
 MIMALLOC_PACKAGE = "cmeel-mimalloc"
 MIMALLOC_ENV = {"MIMALLOC_PURGE_DELAY": "-1"}
 # Every variable a host heap sets: what a benchmark clears to start a process on a heap of its own choosing.
@@ -76,10 +81,11 @@ def mimalloc_library() -> Path | None:
 
 
 def host_heap_environ(environ: Mapping[str, str]) -> dict[str, str] | None:
-    """The environment to re-execute with for the host heap `MARINCTL_HOST_HEAP` names, or None when there
-    is nothing to change: already in place, `system`, or (hugepages) not glibc >= 2.35 or transparent huge
-    pages off in this kernel. An unknown value, or mimalloc without its package, is a `UserError`."""
-    choice = environ.get(HOST_HEAP_OPT_OUT, "") or "hugepages"
+    """The environment to re-execute with for the host heap `MARINCTL_HOST_HEAP` names (unset: mimalloc where
+    its wheel is installed, else hugepages), or None when there is nothing to change: already in place,
+    `system`, or (hugepages) not glibc >= 2.35 or transparent huge pages off in this kernel. An unknown value,
+    or mimalloc asked for without its package, is a `UserError`."""
+    choice = environ.get(HOST_HEAP_OPT_OUT, "") or ("mimalloc" if mimalloc_library() else "hugepages")
     if choice not in HOST_HEAPS:
         raise UserError(f"{HOST_HEAP_OPT_OUT}={choice!r}: expected one of {', '.join(HOST_HEAPS)}")
     preload = environ.get("LD_PRELOAD", "")
@@ -144,6 +150,84 @@ def apply_runtime(runtime: RuntimeConfig) -> None:
             extra.append(flag)
     if extra:
         os.environ["XLA_FLAGS"] = " ".join([*present, *extra]).strip()
+
+
+# mimalloc.h's `mi_option_purge_delay` (the same index from v2.1 through v3.4). `_mimalloc` only trusts it after
+# reading back the -1 the re-execution set, so a renumbered enum leaves the heap alone instead of misconfiguring it.
+MI_OPTION_PURGE_DELAY = 15
+
+
+class _HostPages:
+    """How many threads are inside `host_pages_released` (a compile on the precompile thread can overlap an
+    eval on the main one): the purge delay goes to 0 with the first and back to -1 with the last."""
+
+    lock = threading.Lock()
+    releasers = 0
+    library: ctypes.CDLL | bool | None = False  # False: not looked up yet
+
+
+def _mimalloc() -> ctypes.CDLL | None:
+    """The preloaded mimalloc, when this process runs on it with freed pages kept (purge delay -1)."""
+    if _HostPages.library is False:
+        library = None
+        try:
+            process = ctypes.CDLL(None)  # LD_PRELOAD's symbols are global: mi_* resolve only under mimalloc
+            get, put, collect = process.mi_option_get, process.mi_option_set, process.mi_collect
+        except (OSError, AttributeError):
+            pass
+        else:
+            get.argtypes, get.restype = [ctypes.c_int], ctypes.c_long
+            put.argtypes, put.restype = [ctypes.c_int, ctypes.c_long], None
+            collect.argtypes, collect.restype = [ctypes.c_bool], None
+            if get(MI_OPTION_PURGE_DELAY) == -1:
+                library = process
+        _HostPages.library = library
+    return _HostPages.library or None
+
+
+def host_pages_held() -> bool | None:
+    """Whether freed host pages stay in the process now: None off mimalloc (glibc hands large buffers back)."""
+    library = _mimalloc()
+    return None if library is None else library.mi_option_get(MI_OPTION_PURGE_DELAY) < 0
+
+
+def describe_host_heap(environ: Mapping[str, str] = os.environ) -> str:
+    """This process's host heap in a few words, for the run header (a user reading a slow or a large run
+    wants to know which heap it had)."""
+    if _mimalloc() is not None:
+        return f"mimalloc, freed pages kept while steps run (choose with {HOST_HEAP_OPT_OUT})"
+    if "libmimalloc" in environ.get("LD_PRELOAD", ""):
+        return f"mimalloc, MIMALLOC_PURGE_DELAY={environ.get('MIMALLOC_PURGE_DELAY', 'default')}"
+    if "glibc.malloc.hugetlb=1" in environ.get("GLIBC_TUNABLES", ""):
+        return "glibc malloc, transparent huge pages"
+    return "the C library's malloc"
+
+
+@contextlib.contextmanager
+def host_pages_released() -> Iterator[None]:
+    """Hand freed host pages back to the OS while the body runs; keep them again after it.
+
+    Kept pages are what make XLA:CPU's step loop cheap (no page faults, no zeroing), but everything else a
+    run does (compiles, evals, checkpoint writes, schedule changes) would leave its own high-water mark
+    behind for good. Wraps those; the step loop runs outside it. Off mimalloc this does nothing. Nests,
+    and overlaps across threads: pages are kept again when the last body ends, after a forced collect
+    hands back what the bodies freed."""
+    library = _mimalloc()
+    if library is None:
+        yield
+        return
+    with _HostPages.lock:
+        _HostPages.releasers += 1
+        if _HostPages.releasers == 1:
+            library.mi_option_set(MI_OPTION_PURGE_DELAY, 0)  # 0: every free from here on is purged at once
+    try:
+        yield
+    finally:
+        with _HostPages.lock:
+            _HostPages.releasers -= 1
+            if _HostPages.releasers == 0:
+                library.mi_collect(True)
+                library.mi_option_set(MI_OPTION_PURGE_DELAY, -1)
 
 
 def _backend_initialized() -> bool:

@@ -31,6 +31,7 @@ from jaxtyping import Array
 from marinctl.model.loss import lm_loss
 from marinctl.model.transformer import build_model, model_params
 from marinctl.recipe import Recipe
+from marinctl.runtime import host_pages_released
 from marinctl.train.step import Batch, device_batch
 
 DENSE_EVAL_BYTES = 1 << 30
@@ -127,7 +128,8 @@ class EvalStep:
         from marinctl.train.step import batch_spec
 
         batch = batch_spec(self._recipe, self._batch_sharding, self._recipe.eval_rows)
-        self._call = self.lower(model, router_bias, batch).compile()
+        with host_pages_released():
+            self._call = self.lower(model, router_bias, batch).compile()
         return self
 
     def __call__(self, model, router_bias: Array, batch: Batch) -> tuple[Array, Array]:

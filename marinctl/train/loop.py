@@ -32,6 +32,7 @@ import numpy as np
 
 from marinctl.errors import EXIT_OK, EXIT_PREEMPTED, UserError
 from marinctl.recipe import Recipe, load_recipe, recipe_to_dict, recipe_to_toml
+from marinctl.runtime import describe_host_heap, host_pages_released
 from marinctl.stage import console
 from marinctl.train.distributed import DistributedConfig
 from marinctl.train.precompile import Precompiler
@@ -388,6 +389,7 @@ class _Run:
                     f"{eval_transport(recipe, len(self.devices))}, balancing {recipe.moe.balancing}"),
             ("FLOPs", f"{self.flops.per_token:.4g}/token forward; MFU convention {FLOP_CONVENTION}"),
             ("peak", f"{self.peak / 1e12:.3f} TFLOP/s per device ({peak_source})"),
+            ("host heap", describe_host_heap()),
             ("schedule", "; ".join(f"{', '.join(s.labels)} @ {s.start}" for s in self.segments if s.labels) or "-"),
             ("start", f"resumed from step {start}" if restored else "fresh"),
             ("compile", f"{compile_s:.1f}s"),
@@ -578,6 +580,7 @@ class _Run:
                     "restore the original store, or train into a new --run-dir"
                 )
 
+    @host_pages_released()  # kept host pages are for the step loop only (runtime.py)
     def _save(self, state, step: int, summary: RunSummary) -> None:
         from marinctl.schedule import applied_before
 
@@ -664,6 +667,7 @@ class _Run:
                 queue(("eval", self._eval_key(recipe)), build)
         return jobs
 
+    @host_pages_released()  # kept host pages are for the step loop only (runtime.py)
     def _transition(self, segment, state, display):
         """At a change's first step: log a `"kind": "change"` record, switch to that segment's step."""
         from marinctl.schedule import record_fields, segment_at
@@ -723,6 +727,7 @@ class _Run:
                 out.update({_at(k, first): v for k, v in result.items()})
         return out
 
+    @host_pages_released()  # kept host pages are for the step loop only (runtime.py)
     def _evaluate(self, state, step: int, summary: RunSummary) -> None:
         from marinctl.train.evaluate import evaluate
 

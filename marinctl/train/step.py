@@ -30,6 +30,7 @@ from marinctl.optim.hyperball import frobenius_norm
 from marinctl.params import param_table, tree_paths
 from marinctl.recipe import Recipe
 from marinctl.routing.quantile_balance import router_bias, routing_metrics
+from marinctl.runtime import host_pages_released
 from marinctl.train.state import TrainState
 
 Batch = dict[str, Array]
@@ -188,7 +189,8 @@ def compile_train_step(
         donate_argnums=0,
     )
     abstract = with_shardings(abstract_state(recipe, optimizer), shardings)
-    return jitted.lower(abstract, batch_spec(recipe, batch_sharding)).compile(compiler_options=compiler_options)
+    with host_pages_released():  # the compiler's garbage is not kept for the step loop
+        return jitted.lower(abstract, batch_spec(recipe, batch_sharding)).compile(compiler_options=compiler_options)
 
 
 def batch_spec(recipe: Recipe, sharding: NamedSharding, rows: int | None = None) -> dict[str, jax.ShapeDtypeStruct]:
