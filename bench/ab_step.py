@@ -128,6 +128,6 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
 if __name__ == "__main__":
     from marinctl.runtime import exec_with_host_heap
 
-    exec_with_host_heap()  # huge-page malloc, as the `marinctl` command runs
+    exec_with_host_heap()  # the host heap the `marinctl` command runs with
     main()
     sys.exit(0)

@@ -244,5 +244,5 @@ def run(args, mesh_shape) -> dict:
 if __name__ == "__main__":
     from marinctl.runtime import exec_with_host_heap
 
-    exec_with_host_heap()  # huge-page malloc, as the `marinctl` command runs
+    exec_with_host_heap()  # the host heap the `marinctl` command runs with
     sys.exit(0 if main() else 1)

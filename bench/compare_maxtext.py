@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     their_params: float | None = None
     runtimes: dict[str, dict[str, str]] = {"": {}}  # name -> the environment MaxText runs with
     if args.maxtext_same_flags:
-        # The host heap marinctl re-executes itself with (MARINCTL_HOST_HEAP, default huge-page glibc).
+        # The host heap marinctl re-executes itself with (MARINCTL_HOST_HEAP; default mimalloc where it installs).
         heap = host_heap_environ({HOST_HEAP_OPT_OUT: os.environ.get(HOST_HEAP_OPT_OUT, "")}) or {}
         heap.pop(HOST_HEAP_OPT_OUT, None)
         runtimes["marinctl's runtime"] = {"XLA_FLAGS": " ".join(CPU_DEFAULT_XLA_FLAGS), **heap}
