@@ -177,7 +177,11 @@ print(describe_host_heap())
 @with_mimalloc
 def test_released_host_pages_go_back_to_the_os_and_are_kept_again_after():
     done = subprocess.run(
-        [sys.executable, "-c", RELEASE], env=host_heap_environ(clean_environ()), capture_output=True, text=True
+        [sys.executable, "-c", RELEASE],
+        env=host_heap_environ(clean_environ()),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     figures, described = done.stdout.splitlines()
@@ -189,7 +193,9 @@ def test_released_host_pages_go_back_to_the_os_and_are_kept_again_after():
 
 
 def test_host_pages_released_is_a_no_op_on_glibc():
-    done = subprocess.run([sys.executable, "-c", RELEASE], env=clean_environ(), capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", RELEASE], env=clean_environ(), capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[:4] == ["None"] * 4  # glibc: nothing to keep or release
     assert int(done.stdout.split()[4]) <= 32  # it hands a large buffer back on free anyway
