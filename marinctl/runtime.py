@@ -85,15 +85,16 @@ def host_heap_environ(environ: Mapping[str, str]) -> dict[str, str] | None:
     its wheel is installed, else hugepages), or None when there is nothing to change: already in place,
     `system`, or (hugepages) not glibc >= 2.35 or transparent huge pages off in this kernel. An unknown value,
     or mimalloc asked for without its package, is a `UserError`."""
-    choice = environ.get(HOST_HEAP_OPT_OUT, "") or ("mimalloc" if mimalloc_library() else "hugepages")
-    if choice not in HOST_HEAPS:
-        raise UserError(f"{HOST_HEAP_OPT_OUT}={choice!r}: expected one of {', '.join(HOST_HEAPS)}")
+    asked = environ.get(HOST_HEAP_OPT_OUT, "")
+    if asked and asked not in HOST_HEAPS:
+        raise UserError(f"{HOST_HEAP_OPT_OUT}={asked!r}: expected one of {', '.join(HOST_HEAPS)}")
     preload = environ.get("LD_PRELOAD", "")
     tunables = environ.get("GLIBC_TUNABLES", "")
-    if choice == "system" or "libmimalloc" in preload:
+    if asked == "system" or "libmimalloc" in preload:
         return None
+    library = mimalloc_library() if asked in ("", "mimalloc") else None  # looked up once, only when it may be used
+    choice = asked or ("mimalloc" if library else "hugepages")
     if choice == "mimalloc":
-        library = mimalloc_library()
         if library is None:
             raise UserError(
                 f"{HOST_HEAP_OPT_OUT}=mimalloc: the {MIMALLOC_PACKAGE} package is not installed "
@@ -198,7 +199,7 @@ def describe_host_heap(environ: Mapping[str, str] = os.environ) -> str:
         return f"mimalloc, freed pages kept while steps run (choose with {HOST_HEAP_OPT_OUT})"
     if "libmimalloc" in environ.get("LD_PRELOAD", ""):
         return f"mimalloc, MIMALLOC_PURGE_DELAY={environ.get('MIMALLOC_PURGE_DELAY', 'default')}"
-    if "glibc.malloc.hugetlb=1" in environ.get("GLIBC_TUNABLES", ""):
+    if HOST_HEAP_TUNABLE in environ.get("GLIBC_TUNABLES", ""):
         return "glibc malloc, transparent huge pages"
     return "the C library's malloc"
 
