@@ -30,10 +30,15 @@ def dense_model(recipe, params):
     return build_model(dense, {k: jnp.asarray(v) for k, v in params.items()})
 
 
+# The model's own call, compiled: run eagerly it took 6-10 s per row here (each op dispatched alone), and the
+# oracle is one row per request. One compile per row length (~1.4 s); the arithmetic is the model's.
+forward = eqx.filter_jit(lambda model, tokens, segs, bias: model(tokens, segs, bias))
+
+
 def direct_logprobs(model, bias, ids):
     """log p(ids[t+1] | ids[:t+1]) for one unpadded row, float64 log-softmax on the host."""
     tokens = jnp.asarray([ids], jnp.int32)
-    logits, _ = model(tokens, jnp.ones_like(tokens), jnp.asarray(bias))
+    logits, _ = forward(model, tokens, jnp.ones_like(tokens), jnp.asarray(bias))
     logits = np.asarray(logits[0], np.float64)
     logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
     return logp[np.arange(len(ids) - 1), ids[1:]], logits.argmax(-1)
@@ -209,19 +214,18 @@ def test_inference_is_dropless_whatever_the_training_transport(eco_run, monkeypa
     tokens = jnp.asarray(rng.integers(0, 256, (2, 128)), jnp.int32)
     segs = jnp.ones_like(tokens)
     jparams = {k: jnp.asarray(v) for k, v in params.items()}
-    want = np.asarray(dense_model(recipe, params)(tokens, segs, jnp.asarray(bias))[0])
-    pooled_logits, stats = build_model(recipe, jparams)(tokens, segs, jnp.asarray(bias))
+    want = np.asarray(forward(dense_model(recipe, params), tokens, segs, jnp.asarray(bias))[0])
+    pooled_logits, stats = forward(build_model(recipe, jparams), tokens, segs, jnp.asarray(bias))
     assert float(jnp.sum(stats["sender_drops"]) + jnp.sum(stats["receiver_drops"])) > 0
     assert np.abs(np.asarray(pooled_logits) - want).max() > 1e-3  # drops change the logits
     model, used = inference_model(recipe, jparams, tokens.size)  # top-2 of 8: dense would do 4x the work
     assert used.moe.transport == "ragged" and used.moe.ragged_buffer_factor is None
-    np.testing.assert_allclose(np.asarray(model(tokens, segs, jnp.asarray(bias))[0]), want, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(forward(model, tokens, segs, jnp.asarray(bias))[0]), want, atol=1e-4)
     monkeypatch.setattr(marinctl.train.evaluate, "DENSE_WORK_RATIO", 4)  # dense allowed 4x the routed work
     model, used = inference_model(recipe, jparams, tokens.size)
     assert used.moe.transport == "dense"
-    np.testing.assert_array_equal(np.asarray(model(tokens, segs, jnp.asarray(bias))[0]), want)
+    np.testing.assert_array_equal(np.asarray(forward(model, tokens, segs, jnp.asarray(bias))[0]), want)
     monkeypatch.setattr(marinctl.train.evaluate, "DENSE_EVAL_BYTES", 1)  # as for hero-sized experts
     model, used = inference_model(recipe, jparams, tokens.size)
     assert used.moe.transport == "ragged" and used.moe.ragged_buffer_factor is None
-    ragged = eqx.filter_jit(lambda model, tokens, segs, bias: model(tokens, segs, bias)[0])
-    np.testing.assert_allclose(np.asarray(ragged(model, tokens, segs, jnp.asarray(bias))), want, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(forward(model, tokens, segs, jnp.asarray(bias))[0]), want, atol=1e-4)
