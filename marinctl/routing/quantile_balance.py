@@ -87,6 +87,34 @@ def router_bias(beta: Float[Array, "... E"]) -> Float[Array, "... E"]:
     return -(beta - jnp.mean(beta, axis=-1, keepdims=True))
 
 
+# Up to this many experts `top_k_rows` ranks by comparison on CPU: 3.4-6x `lax.top_k` at 16-32 experts,
+# even at 48, 6x slower at 64 (the E² square of compares per token; bench/README.md, stop 42).
+RANK_TOP_K_MAX_EXPERTS = 32
+
+
+def top_k_rows(x: Float[Array, "T E"], k: int) -> tuple[Float[Array, "T k"], Int[Array, "T k"]]:
+    """`jax.lax.top_k(x, k)`, equal bit for bit: descending in float total order (+0 above −0, NaN at the
+    ends by sign), equal keys in index order.
+
+    XLA:CPU lowers `top_k` to a comparator sort of every row: 1.9 ms per layer in the tiny step's profile.
+    On CPU with few experts, each entry's rank is instead counted from all E² pairwise comparisons of
+    total-order integer keys (the entries ahead of it: a greater key, or an equal one at a lower index),
+    which is a permutation of 0..E−1, and the first k ranks are read off one-hot.
+    """
+    n = x.shape[-1]
+    if jax.default_backend() != "cpu" or n > RANK_TOP_K_MAX_EXPERTS or x.dtype != jnp.float32:
+        return jax.lax.top_k(x, k)
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)  # integer order = float total order
+    experts = jnp.arange(n)
+    mine, other = key[..., :, None], key[..., None, :]  # [T, e, e']
+    ahead = (other > mine) | ((other == mine) & (experts[None, :] < experts[:, None]))
+    rank = jnp.sum(ahead, axis=-1, dtype=jnp.int32)  # [T, e]
+    at = rank[..., :, None] == jnp.arange(k)  # [T, e, k]: exactly one e per k
+    idx = jnp.sum(jnp.where(at, experts[:, None], 0), axis=-2)
+    return jnp.take_along_axis(x, idx, axis=-1), idx
+
+
 def router_margins(
     logits: Float[Array, "T E"],
     bias: Float[Array, " E"],
@@ -102,7 +130,7 @@ def router_margins(
     scores = jax.nn.sigmoid(logits) if variant == "post_sigmoid" else logits
     scores = jax.lax.stop_gradient(scores.astype(jnp.float32))
     biased = scores + jax.lax.stop_gradient(bias)
-    top_values, top_idx = jax.lax.top_k(biased, top_k + 1)
+    top_values, top_idx = top_k_rows(biased, top_k + 1)
     alpha = top_values[:, top_k]
     return scores - alpha[:, None], top_idx[:, :top_k]
 

@@ -17,6 +17,7 @@ from marinctl.routing.quantile_balance import (
     router_margins,
     routing_entropy,
     routing_metrics,
+    top_k_rows,
 )
 
 E, K = 16, 4
@@ -118,6 +119,38 @@ def test_router_margins_select_on_biased_scores_and_measure_from_the_k_plus_1th(
     np.testing.assert_array_equal(np.sort(idx, axis=1), np.sort(order[:, :K], axis=1))
     alpha = np.take_along_axis(biased, order[:, K : K + 1], axis=1)
     np.testing.assert_allclose(margins, scores - alpha, atol=1e-6)
+
+
+def top_k_cases():
+    """Rows that order every way a float can: ±0, ±inf, NaN of both signs, heavy ties, all-equal rows."""
+    rng = np.random.default_rng(9)
+    nan = np.float32(np.nan)
+    odd = [0.0, -0.0, 0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, nan, -nan, 1.0, -0.0, 3, 3, -np.inf, nan]
+    yield np.asarray([odd, odd[::-1]], np.float32)
+    yield rng.standard_normal((1024, 16)).astype(np.float32)
+    yield rng.integers(-2, 3, (256, 32)).astype(np.float32)  # ties everywhere
+    yield np.zeros((8, 8), np.float32) * np.where(rng.random((8, 8)) < 0.5, -1, 1).astype(np.float32)
+
+
+@pytest.mark.parametrize("case", list(top_k_cases()), ids=["ieee", "normal", "ties", "signed_zeros"])
+def test_top_k_rows_equals_lax_top_k_bit_for_bit(case):
+    for k in (1, 5, case.shape[1]):
+        want_values, want_idx = jax.lax.top_k(jnp.asarray(case), k)
+        values, idx = jax.jit(top_k_rows, static_argnums=1)(jnp.asarray(case), k)
+        np.testing.assert_array_equal(idx, want_idx)
+        np.testing.assert_array_equal(np.asarray(values).view(np.int32), np.asarray(want_values).view(np.int32))
+
+
+def test_top_k_rows_ranks_on_cpu_only_up_to_its_expert_limit():
+    """The comparison path replaces XLA's sort where it is faster (here: CPU, ≤ 32 experts)."""
+
+    def primitives(n):
+        jaxpr = jax.make_jaxpr(lambda x: top_k_rows(x, 3))(jnp.zeros((4, n), jnp.float32))
+        return {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
+
+    assert jax.default_backend() == "cpu"
+    assert "top_k" not in primitives(16) and "top_k" not in primitives(32)
+    assert "top_k" in primitives(64)
 
 
 def test_quantile_balancing_brings_a_skewed_router_to_uniform_load_and_cuts_drops():
