@@ -82,7 +82,7 @@ def _rotate_halves(x: Array, cos: Array, sin: Array) -> Array:
 @jax.custom_vjp
 def _rotate(x: Array, cos: Array, sin: Array) -> Array:
     """`_rotate_halves`, whose backward is the rotation by −angle written like the forward: slices of the
-    cotangent and one concatenation. Autodiff transposes each slice to a pad and sums the pads, 8.5 ms of
+    cotangent and one concatenation. Autodiff transposes each slice to a pad and sums the pads, 8.7 ms of
     pad fusions per tiny step (bench/README.md, stop 42); the products and sums are autodiff's own, in its
     order, so the gradient is the same bit for bit."""
     return _rotate_halves(x, cos, sin)

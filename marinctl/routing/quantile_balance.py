@@ -87,8 +87,8 @@ def router_bias(beta: Float[Array, "... E"]) -> Float[Array, "... E"]:
     return -(beta - jnp.mean(beta, axis=-1, keepdims=True))
 
 
-# Up to this many experts `top_k_rows` ranks by comparison on CPU: 3.4-6x `lax.top_k` at 16-32 experts,
-# even at 48, 6x slower at 64 (the E² square of compares per token; bench/README.md, stop 42).
+# Up to this many experts `top_k_rows` ranks by comparison on CPU: 2.6-7.6x faster than `lax.top_k` at 16-32
+# experts, even at 48, ~6x slower at 64 in a prototype (the E² compares per token; bench/README.md, stop 42).
 RANK_TOP_K_MAX_EXPERTS = 32
 
 
