@@ -1,6 +1,7 @@
 """Where the training step's time goes: per-component device time of the real compiled train step.
 
     python bench/profile_step.py [recipes/tiny.toml] [--set section.key=value ...] [--steps 8] [--trace-steps 3]
+                                 [--threads 1] [--top N]
 
 Builds exactly what `marinctl train` runs (the recipe's `[runtime]` flags, mesh, sharded state, the hyperball
 optimizer, the AOT-compiled donated step, the loader), then:
@@ -10,8 +11,11 @@ optimizer, the AOT-compiled donated step, the loader), then:
    (docs/recipe.md §7 FLOPs against the same measured f32 matmul peak `marinctl train` logs).
 2. **Device profile**: `--trace-steps` steps under `jax.profiler.trace`. XLA:CPU records one event per executed
    thunk (fusion, dot, copy, ...) named by its HLO instruction; the compiled module's metadata gives each
-   instruction's Python stack, and the innermost marinctl/optax frame decides the component (`RULES`).
-   Ops under `transpose(...)` in the JAX name stack are the backward pass.
+   instruction's Python stack, and the innermost marinctl/optax frame that a rule names decides the component
+   (`RULES`; `FALLBACK_RULES` only when none does). Ops under `transpose(...)` in the JAX name stack are the
+   backward pass. With more than one thread an event is not the whole op: a multi-threaded Eigen dot finishes
+   on the pool after its thunk's event ends. `--threads 1` makes every recorded time exact (the loop timing
+   and the peak are then one core's too); the table's "no op event open" row says how much a run left out.
 3. **Data**: the loader's host batch built synchronously (`Loader.host_batch`), which the trainer's prefetch
    thread overlaps with the device step.
 
@@ -25,6 +29,7 @@ import argparse
 import glob
 import json
 import linecache
+import os
 import re
 import sys
 import tempfile
@@ -58,9 +63,17 @@ RULES: tuple[tuple[str, str, str | None, str], ...] = (
     (r"marinctl/optim/|/optax/", r"", None, "optimizer: momentum, Adam, hyperball"),
     (r"marinctl/train/step\.py$", r"gradient_norms|param_norms|norm", None, "metrics (grad/param norms)"),
     (r"marinctl/train/step\.py$", r"", None, "step: non-finite guard, QB bias, accumulation"),
+)
+# Tried only when no frame of the stack matches a rule above. As a rule of the walk it named the innermost
+# model frame, so the forward products of every `layers.linear` (q/k/v/o, latent and shared-expert
+# projections: `layers.py _linear_fwd`) were charged here instead of to the component that called them.
+FALLBACK_RULES: tuple[tuple[str, str, str | None, str], ...] = (
     (r"marinctl/model/", r"", None, "other model (positions, scan)"),
 )
 _COMPILED_RULES = tuple((re.compile(f), re.compile(fn), re.compile(ln) if ln else None, c) for f, fn, ln, c in RULES)
+_COMPILED_FALLBACK = tuple(
+    (re.compile(f), re.compile(fn), re.compile(ln) if ln else None, c) for f, fn, ln, c in FALLBACK_RULES
+)
 UNATTRIBUTED = "unattributed (copies, loop control)"
 ORDER = (
     "attention",
@@ -169,14 +182,15 @@ def parse_hlo(text: str) -> dict[str, Instr]:
 def component_of(instr: Instr | None) -> str:
     if instr is None:
         return UNATTRIBUTED
-    for file, function, line in instr.frames:
-        path = file.replace("\\", "/")
-        for file_re, fn_re, line_re, component in _COMPILED_RULES:
-            if not file_re.search(path) or not fn_re.search(function):
-                continue
-            if line_re is not None and not line_re.search(linecache.getline(file, line)):
-                continue
-            return component
+    for rules in (_COMPILED_RULES, _COMPILED_FALLBACK):
+        for file, function, line in instr.frames:
+            path = file.replace("\\", "/")
+            for file_re, fn_re, line_re, component in rules:
+                if not file_re.search(path) or not fn_re.search(function):
+                    continue
+                if line_re is not None and not line_re.search(linecache.getline(file, line)):
+                    continue
+                return component
     return UNATTRIBUTED
 
 
@@ -202,6 +216,21 @@ def device_events(trace_dir: str, module: str) -> list[tuple[str, int, float, fl
     return out
 
 
+def _is_control(instr: Instr | None) -> bool:
+    return instr is not None and instr.opcode in CONTROL_OPCODES
+
+
+def busy_union_ns(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of (start, duration) intervals: the time at least one op event is open."""
+    total, end = 0.0, float("-inf")
+    for start, duration in sorted(intervals):
+        stop = start + duration
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
 # --------------------------------------------------------------------------------------------------
 
 
@@ -215,7 +244,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--top", type=int, default=0, help="also list the N costliest ops (where each comes from)")
     parser.add_argument("--hlo-out", default=None, help="write the compiled step's optimized HLO text here")
     parser.add_argument("--json", dest="json_out", default=None, help="also write the figures to this JSON file")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="XLA:CPU threads (PJRT_NPROC; default: every core). 1 makes every op's recorded time exact: with more, "
+        "a multi-threaded dot finishes on Eigen's pool after its event ends, so dot-heavy components read low",
+    )
     args = parser.parse_args(argv)
+    if args.threads > 0:
+        os.environ["PJRT_NPROC"] = str(args.threads)  # read when JAX creates its CPU client, below
 
     from marinctl.recipe import load_recipe
     from marinctl.runtime import apply_runtime
@@ -308,12 +346,14 @@ def main(argv: list[str] | None = None) -> dict:
     spans = []
     per_component: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # [fwd ns, bwd ns] over all runs
     per_op: dict[str, float] = defaultdict(float)
+    uncovered = []  # per run: time inside the span during which no op event is open
     for run in runs:
-        mine = [e for e in events if e[1] == run]
+        mine = [e for e in events if e[1] == run and not _is_control(instrs.get(e[0]))]
         spans.append((max(e[2] + e[3] for e in mine) - min(e[2] for e in mine)) / 1e9)
+        uncovered.append(spans[-1] - busy_union_ns([(e[2], e[3]) for e in mine]) / 1e9)
     for op, _, _, dur in events:
         instr = instrs.get(op)
-        if instr is not None and instr.opcode in CONTROL_OPCODES:
+        if _is_control(instr):
             continue  # a loop/call thunk spans its body's thunks, which are counted themselves
         per_component[component_of(instr)][1 if instr is not None and instr.backward else 0] += dur
         per_op[op] += dur
@@ -321,6 +361,7 @@ def main(argv: list[str] | None = None) -> dict:
     op_ms = {c: (f / n_runs / 1e6, b / n_runs / 1e6) for c, (f, b) in per_component.items()}
     op_total_ms = sum(f + b for f, b in op_ms.values())
     span_s = float(np.median(spans))
+    uncovered_s = float(np.median(uncovered))
 
     flops = flops_per_token(recipe)
     peak, peak_source = device_peak_flops(devices)
@@ -336,6 +377,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows_out += [
         ("**device ops, sum**", f"{op_total_ms:.1f}", "100%", "", ""),
         ("device busy span per step", f"{span_s * 1e3:.1f}", "", "", ""),
+        ("of the span, no op event open (async dot work)", f"{uncovered_s * 1e3:.1f}", "", "", ""),
         ("data loading (host batch; prefetched in training)", f"{data_ms:.1f}", "", "", ""),
         ("host overhead (loop wall - device span)", f"{(wall_s - span_s) * 1e3:.1f}", "", "", ""),
         ("**loop wall per step**", f"{wall_s * 1e3:.1f}", "", "", ""),
@@ -352,6 +394,12 @@ def main(argv: list[str] | None = None) -> dict:
         f"\ntokens/s {speed['tokens_per_s']:,.0f}   MFU {speed['mfu']:.1%}   "
         f"(peak {peak / 1e12:.3f} TFLOP/s, {peak_source}; recipe §7 FLOPs {flops.per_token:.4g}/token)"
     )
+    if uncovered_s > 0.05 * span_s:
+        print(
+            f"note: for {uncovered_s / span_s:.0%} of the span no op event is open. XLA:CPU's multi-threaded dots "
+            "run on Eigen's pool after their event ends, so the rows above undercount dot-heavy components; "
+            "--threads 1 times every op exactly (bench/README.md, stop 44)."
+        )
     result = {
         "recipe": recipe.name,
         "marinctl": str(Path(marinctl.__file__).parent),
@@ -359,6 +407,8 @@ def main(argv: list[str] | None = None) -> dict:
         "components_ms": {c: {"fwd": f, "bwd": b} for c, (f, b) in op_ms.items()},
         "device_ops_ms": op_total_ms,
         "device_span_ms": span_s * 1e3,
+        "uncovered_ms": uncovered_s * 1e3,
+        "threads": os.environ.get("PJRT_NPROC", ""),
         "data_ms": data_ms,
         "host_overhead_ms": (wall_s - span_s) * 1e3,
         "wall_ms": wall_s * 1e3,
