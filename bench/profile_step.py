@@ -70,10 +70,13 @@ RULES: tuple[tuple[str, str, str | None, str], ...] = (
 FALLBACK_RULES: tuple[tuple[str, str, str | None, str], ...] = (
     (r"marinctl/model/", r"", None, "other model (positions, scan)"),
 )
-_COMPILED_RULES = tuple((re.compile(f), re.compile(fn), re.compile(ln) if ln else None, c) for f, fn, ln, c in RULES)
-_COMPILED_FALLBACK = tuple(
-    (re.compile(f), re.compile(fn), re.compile(ln) if ln else None, c) for f, fn, ln, c in FALLBACK_RULES
-)
+
+
+def _compiled(rules: tuple[tuple[str, str, str | None, str], ...]) -> tuple:
+    return tuple((re.compile(f), re.compile(fn), re.compile(ln) if ln else None, c) for f, fn, ln, c in rules)
+
+
+_COMPILED_RULES, _COMPILED_FALLBACK = _compiled(RULES), _compiled(FALLBACK_RULES)
 UNATTRIBUTED = "unattributed (copies, loop control)"
 ORDER = (
     "attention",
