@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from marinctl.model.attention_blocks import global_scores, local_scores
-from marinctl.params import ParamSpec, param_table, partition_spec, shard_size
+from marinctl.params import ParamSpec, ns_shard_size, param_table, partition_spec, shard_size
 from marinctl.recipe import Recipe
 
 BYTES_F32 = 4
@@ -391,7 +391,8 @@ def memory_estimate(recipe: Recipe, mesh: dict[str, int], platform: Platform = "
     held_logits = 2 * T * V * f4 if chunk_pos >= S else 0
 
     # --- the optimizer: Newton-Schulz iterates the largest matrix stack in fp32 ------------------
-    biggest = max((shard_size(s, mesh) for s in table.values() if s.group == "muonh"), default=0)
+    # Under a mesh each device iterates whole matrices, its share of the stack (marinctl/optim/muon.py).
+    biggest = max((ns_shard_size(s, mesh) for s in table.values() if s.group == "muonh"), default=0)
     ns_b = biggest * f4 * 4  # X, the Gram matrix, its square and the next iterate
 
     phases = {"backward": saved + block + held_logits, "loss": saved + ce_b, "optimizer": ns_b}

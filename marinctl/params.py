@@ -173,6 +173,26 @@ def shard_size(spec: ParamSpec, mesh: dict[str, int]) -> int:
     return size
 
 
+# The mesh axes Newton-Schulz spreads whole matrices over (marinctl/optim/muon.py `spread_matrices`): the ones
+# parameters are sharded on, `expert` first because an expert stack already arrives split over it. Not
+# `replica`: it crosses the data-centre network, where moving the matrices out and the results back costs
+# more than the replicated iterations it would save.
+NS_SPREAD_AXES = ("expert", "data")
+
+
+def ns_spread_ways(mesh: dict[str, int]) -> int:
+    """Devices Newton-Schulz spreads each matrix stack over (1: it runs on the leaf as sharded)."""
+    return math.prod(mesh.get(ax, 1) for ax in NS_SPREAD_AXES)
+
+
+def ns_shard_size(spec: ParamSpec, mesh: dict[str, int]) -> int:
+    """Elements of one Newton-Schulz iterate per device: ceil(matrices / ways) whole matrices when spread."""
+    ways = ns_spread_ways(mesh)
+    if ways == 1 or len(spec.shape) < 3:
+        return shard_size(spec, mesh)
+    return -(-math.prod(spec.shape[:-2]) // ways) * math.prod(spec.shape[-2:])
+
+
 def path_str(path: tuple) -> str:
     """A jax key path as the dotted string the table uses ('blocks.attention.w_q')."""
     parts = []

@@ -73,6 +73,7 @@ def build_optimizer(recipe: Recipe, params) -> optax.GradientTransformation:
         if spec.group in ("muonh", "adamh"):
             scopes[path] = norm_axes(spec)
 
+    experts_dims = {p: s.axes.index("experts") for p, s in table.items() if s.group == "muonh" and "experts" in s.axes}
     adam_tail = []
     if o.weight_decay > 0:
         # Strength weight_decay * adam_lr (AdamW's lr * lambda), annealed linearly to 0 at the last step
@@ -91,7 +92,7 @@ def build_optimizer(recipe: Recipe, params) -> optax.GradientTransformation:
             hyperball(lr_schedule(hp, hp.adamh_lr), scopes),
         ),
         "muonh": optax.chain(
-            scale_by_muon(o.muon_momentum, coefficient_schedule(o.ns_coefficients, o.ns_steps)),
+            scale_by_muon(o.muon_momentum, coefficient_schedule(o.ns_coefficients, o.ns_steps), experts_dims),
             hyperball(lr_schedule(hp, hp.muonh_lr), scopes),
         ),
     }

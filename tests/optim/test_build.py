@@ -1,6 +1,9 @@
 """build_optimizer (marinctl/optim/build.py): every group's update against numpy, sharding, checkpointing."""
 
 import dataclasses
+import functools
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -187,13 +190,23 @@ def test_state_shards_like_the_params_and_a_sharded_step_equals_the_single_devic
     sharded = jax.device_put(subset, shardings)
     state = jax.jit(optimizer.init, out_shardings=state_shardings)(sharded)
 
-    @jax.jit
+    @functools.partial(jax.jit, out_shardings=(shardings, state_shardings))  # as the trainer's step
     def step(p, s, g):
         updates, s = optimizer.update(g, s, p)
         return optax.apply_updates(p, updates), s
 
-    for g in grads:
-        sharded, state = step(sharded, state, jax.device_put({k: g[k] for k in SHARDED}, shardings))
+    with jax.set_mesh(mesh):  # as the trainer runs its step: Newton-Schulz spreads its matrices over the mesh
+        sharded_grads = [jax.device_put({k: g[k] for k in SHARDED}, shardings) for g in grads]
+        hlo = step.lower(sharded, state, sharded_grads[0]).compile().as_text()
+        for g in sharded_grads:
+            sharded, state = step(sharded, state, g)
+    # Every product is Newton-Schulz's, on whole matrices, ceil(n / 8) of each leaf's n per device, and the
+    # reshards are all-to-alls: nothing gathers a whole leaf.
+    per_device = {-(-math.prod(table[k].shape[:-2]) // 8) for k in SHARDED if table[k].group == "muonh"}
+    dots = re.findall(r"= f32\[([0-9,]+)\]\S* dot\(", hlo)
+    shapes = [tuple(int(n) for n in d.split(",")) for d in dots]
+    assert shapes and {math.prod(d[:-2]) for d in shapes} <= per_device  # a lone matrix compiles to rank 2
+    assert "all-gather" not in hlo
     for leaf, expected in zip(jax.tree.leaves(state), jax.tree.leaves(state_shardings), strict=True):
         assert leaf.sharding.is_equivalent_to(expected, leaf.ndim)
     for k in SHARDED:
