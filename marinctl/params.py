@@ -180,9 +180,14 @@ def shard_size(spec: ParamSpec, mesh: dict[str, int]) -> int:
 NS_SPREAD_AXES = ("expert", "data")
 
 
+def ns_spread_axes(mesh: dict[str, int]) -> tuple[str, ...]:
+    """The `NS_SPREAD_AXES` of size > 1 in this mesh (none: Newton-Schulz runs on the leaf as sharded)."""
+    return tuple(ax for ax in NS_SPREAD_AXES if mesh.get(ax, 1) > 1)
+
+
 def ns_spread_ways(mesh: dict[str, int]) -> int:
     """Devices Newton-Schulz spreads each matrix stack over (1: it runs on the leaf as sharded)."""
-    return math.prod(mesh.get(ax, 1) for ax in NS_SPREAD_AXES)
+    return math.prod(mesh[ax] for ax in ns_spread_axes(mesh))
 
 
 def ns_shard_size(spec: ParamSpec, mesh: dict[str, int]) -> int:

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float
 
 from marinctl.optim.hyperball import frobenius_norm
-from marinctl.params import NS_SPREAD_AXES, path_str
+from marinctl.params import ns_spread_axes, ns_spread_ways, path_str
 
 UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
 
@@ -82,9 +82,9 @@ def spread_matrices(
     x: Float[Array, "*matrices rows cols"],  # noqa: F722
     experts_dim: int | None = None,
 ) -> tuple[Array, Pin, Pin]:
-    """Under a mesh with `NS_SPREAD_AXES` of size > 1: the stack as [k * ceil(n / k), rows, cols] (zero-padded),
-    its leading dim sharded over those k devices; the constraint that keeps an iterate so; and the map back
-    to `x`'s shape. Else `x` and two identities.
+    """Under a mesh with spread axes (`marinctl.params.ns_spread_axes`): the stack as [k * ceil(n / k), rows,
+    cols] (zero-padded), its leading dim sharded over those k devices; the constraint that keeps an iterate
+    so; and the map back to `x`'s shape. Else `x` and two identities.
 
     A parameter arrives FSDP-sharded inside its matrices, where XLA partitions each product with collectives
     and runs the Gram's square in full on every device. Whole matrices per device cut every device's share
@@ -99,19 +99,17 @@ def spread_matrices(
     leaf on every device.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    axes = () if mesh.empty else tuple(a for a in NS_SPREAD_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+    sizes = {} if mesh.empty else dict(mesh.shape)
+    axes = ns_spread_axes(sizes)
     if not axes or x.ndim < 3:
         return x, _same, _same
-    ways = math.prod(mesh.shape[a] for a in axes)
-    stack, matrix = x.shape[:-2], x.shape[-2:]
-    count = math.prod(stack)
-    if experts_dim is not None and "expert" in axes:
-        order = (experts_dim, *(d for d in range(x.ndim) if d != experts_dim))
-    else:
-        order = tuple(range(x.ndim))
+    ways = ns_spread_ways(sizes)
+    count = math.prod(x.shape[:-2])
+    experts_major = experts_dim is not None and "expert" in axes
+    order = (experts_dim, *(d for d in range(x.ndim) if d != experts_dim)) if experts_major else tuple(range(x.ndim))
     undo = tuple(order.index(d) for d in range(x.ndim))
-    flat = jnp.transpose(x, order).reshape(count, *matrix)
-    if order == tuple(range(x.ndim)):
+    flat = jnp.transpose(x, order).reshape(count, *x.shape[-2:])
+    if not experts_major:
         flat = jax.lax.with_sharding_constraint(flat, PartitionSpec(None, UNCONSTRAINED, UNCONSTRAINED))
     if pad := -count % ways:
         flat = jnp.pad(flat, ((0, pad), (0, 0), (0, 0)))
@@ -122,7 +120,7 @@ def spread_matrices(
 
     def unspread(y: Array) -> Array:
         y = pin(y)[:count]
-        if order == tuple(range(x.ndim)):
+        if not experts_major:
             y = jax.lax.with_sharding_constraint(y, PartitionSpec(None, UNCONSTRAINED, UNCONSTRAINED))
         return jnp.transpose(y.reshape(*(x.shape[d] for d in order)), undo)
 
